@@ -1,0 +1,84 @@
+"""The claims, as functions: each runs the kernels on one problem and raises
+AssertionError with a precise message when the claim fails. Properties draw the
+problems; ``forge-verify check`` and later the gate call the same functions."""
+
+import torch
+
+from .bits import assert_bitwise_equal, ulp_distance
+from .interval import Interval
+from .problems import make_inputs, run_rule
+from .reference import ENCLOSURE, POINT, reference_step, weight_grad, weight_grad_enclosure
+
+
+def _assert_same_update(a, b, rule, what):
+    (w_a, s_a), (w_b, s_b) = a, b
+    assert_bitwise_equal(w_a, w_b, f"{what}: weight")
+    for slot in rule.slots:
+        assert_bitwise_equal(s_a[slot], s_b[slot], f"{what}: state[{slot!r}]")
+
+
+def fused_matches_oracle(problem, rule, config, device, *, oracle_rule=None):
+    """Fused and oracle paths give the same bits for weight and every state slot.
+
+    ``oracle_rule`` lets a test give the oracle a different rule, to show a change
+    of operation order inside a rule is caught.
+    """
+    inputs = make_inputs(problem, device)
+    fused = run_rule(inputs, rule, oracle=False, config=config)
+    oracle = run_rule(inputs, oracle_rule or rule, oracle=True, config=config)
+    _assert_same_update(fused, oracle, rule, f"fused vs oracle [{rule!r}; {problem.describe()}; {config}]")
+
+
+def repeatable(problem, rule, config, device, *, repeats=3, oracle=False):
+    """The same call, repeated from the same inputs, gives the same bits."""
+    inputs = make_inputs(problem, device)
+    first = run_rule(inputs, rule, oracle=oracle, config=config)
+    for i in range(1, repeats):
+        again = run_rule(inputs, rule, oracle=oracle, config=config)
+        _assert_same_update(again, first, rule, f"repeat {i} [{rule!r}; {problem.describe()}; {config}]")
+
+
+def tiling_invariant(problem, rule, config_a, config_b, device):
+    """Two configs give the same bits (used where they share block_t)."""
+    inputs = make_inputs(problem, device)
+    a = run_rule(inputs, rule, config=config_a)
+    b = run_rule(inputs, rule, config=config_b)
+    _assert_same_update(a, b, rule, f"{config_a} vs {config_b} [{rule!r}; {problem.describe()}]")
+
+
+def within_enclosure(problem, rule, config, device, backend) -> float:
+    """The fused result lies inside the rigorous fp32 enclosure of the exact step
+    (proofs/reference_enclosure.md), and so does the float64 reference.
+
+    Returns the largest ulp distance between the kernel's weight and the float64
+    reference rounded to fp32.
+    """
+    inputs = make_inputs(problem, device)
+    weight, state = run_rule(inputs, rule, config=config)
+    w0 = inputs.weight.detach().cpu()
+    s0 = rule.init_state(w0)
+    w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
+    w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
+    for step, (x, dy) in enumerate(inputs.batches, start=1):
+        w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
+        w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
+    what = f"[{rule!r}; {problem.describe()}; {config}]"
+    _assert_inside(w_enc, weight, f"kernel weight {what}")
+    _assert_inside(w_enc, w_ref, f"float64 reference weight {what}")
+    for slot in rule.slots:
+        _assert_inside(s_enc[slot], state[slot], f"kernel state[{slot!r}] {what}")
+        _assert_inside(s_enc[slot], s_ref[slot], f"float64 reference state[{slot!r}] {what}")
+    if weight.numel() == 0:
+        return 0.0
+    return float(ulp_distance(weight.detach().cpu(), w_ref.to(torch.float32)).max())
+
+
+def _assert_inside(enclosure: Interval, value: torch.Tensor, what: str):
+    value = value.detach().cpu()
+    inside = enclosure.contains(value)
+    if bool(inside.all()):
+        return
+    index = tuple(int(i) for i in torch.nonzero(~inside)[0])
+    raise AssertionError(f"{what}: {int((~inside).sum())} element(s) outside the proven enclosure; first at "
+                         f"{index}: {value[index].item()!r} not in [{enclosure.lo[index].item()!r}, "
+                         f"{enclosure.hi[index].item()!r}]")

@@ -1,0 +1,20 @@
+"""Findings about the kernels measured on each backend, kept as data so that a
+property asserts them and a change of behaviour fails loudly.
+
+BLOCK_T_CHANGES_BITS[(backend, activation dtype)]: whether two configs that differ
+only in BLOCK_T give different gradient bits on a 512-token problem
+(properties/test_tile_invariance.py::test_block_t_finding). Where it is True, only
+configs with equal BLOCK_T are exactness-equivalent; BLOCK_N and BLOCK_K never
+matter (test_bits_do_not_depend_on_block_n_or_block_k).
+"""
+
+import torch
+
+BLOCK_T_CHANGES_BITS = {
+    # The interpreter evaluates each tl.dot as a numpy matmul of one token block and
+    # adds it to the accumulator: the block size sets the grouping of the sum.
+    ("interpreter", torch.float32): True,
+    ("interpreter", torch.bfloat16): True,
+    ("gpu", torch.float32): True,
+    ("gpu", torch.bfloat16): True,
+}

@@ -1,0 +1,125 @@
+"""Rigorous interval enclosures in float64, modelling fp32 kernel arithmetic.
+
+Every operation on :class:`Interval` returns an interval that contains every value
+an fp32 kernel can produce for that operation from operands inside the inputs:
+the exact result's range is computed in float64 and widened outward by one float64
+ulp (float64 operations are correctly rounded), then widened by the fp32 rounding
+model |fl(z) - z| <= u|z| + FP32_UNDERFLOW, and outward again. Hence it holds for
+any fp32 evaluation of the same operation sequence, fused multiply-adds included
+(an FMA rounds once where the model allows twice). See proofs/reference_enclosure.md.
+"""
+
+import torch
+
+from .tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF
+
+_F64 = torch.float64
+# fp32 rounding, plus slack for an implementation that evaluates in float64 and rounds
+# once more to fp32 (the Triton interpreter's numpy can): a double rounding.
+_OP_UNIT = UNIT_ROUNDOFF[torch.float32] + 2 * UNIT_ROUNDOFF[torch.float64]
+
+
+def _down(t):
+    return torch.nextafter(t, torch.full_like(t, -torch.inf))
+
+
+def _up(t):
+    return torch.nextafter(t, torch.full_like(t, torch.inf))
+
+
+def _as_tensor(value):
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=_F64)
+
+
+class Interval:
+    """A tensor of closed intervals [lo, hi] (float64)."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self, lo, hi):
+        self.lo = _as_tensor(lo).to(_F64)
+        self.hi = _as_tensor(hi).to(_F64)
+
+    @classmethod
+    def exact(cls, value):
+        """The degenerate interval of values known exactly (stored fp32 inputs)."""
+        t = _as_tensor(value).to(_F64)
+        return cls(t, t.clone())
+
+    @classmethod
+    def around(cls, center, radius):
+        c, r = _as_tensor(center).to(_F64), _as_tensor(radius).to(_F64)
+        return cls(_down(c - r), _up(c + r))
+
+    @classmethod
+    def host_scalar(cls, value: float):
+        """A hyperparameter computed on the host in float64 and rounded once to fp32."""
+        value = float(value)
+        slack = abs(value) * (UNIT_ROUNDOFF[torch.float32] + 8 * UNIT_ROUNDOFF[torch.float64]) + FP32_UNDERFLOW
+        return cls.around(value, slack)
+
+    @staticmethod
+    def _fp32_op(lo, hi):
+        lo, hi = _down(lo), _up(hi)
+        lo = _down(lo - (_OP_UNIT * lo.abs() + FP32_UNDERFLOW))
+        hi = _up(hi + (_OP_UNIT * hi.abs() + FP32_UNDERFLOW))
+        return Interval(lo, hi)
+
+    @staticmethod
+    def _wrap(other):
+        return other if isinstance(other, Interval) else Interval.exact(other)
+
+    def __add__(self, other):
+        other = self._wrap(other)
+        return self._fp32_op(self.lo + other.lo, self.hi + other.hi)
+
+    __radd__ = __add__
+
+    def __neg__(self):
+        return Interval(-self.hi, -self.lo)
+
+    def __sub__(self, other):
+        return self + (-self._wrap(other))
+
+    def __rsub__(self, other):
+        return self._wrap(other) + (-self)
+
+    def __mul__(self, other):
+        other = self._wrap(other)
+        products = torch.stack(torch.broadcast_tensors(self.lo * other.lo, self.lo * other.hi,
+                                                       self.hi * other.lo, self.hi * other.hi))
+        return self._fp32_op(products.amin(0), products.amax(0))
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        other = self._wrap(other)
+        # A divisor interval that reaches zero leaves the quotient unbounded.
+        spans_zero = (other.lo <= 0) & (other.hi >= 0)
+        quotients = torch.stack(torch.broadcast_tensors(self.lo / other.lo, self.lo / other.hi,
+                                                        self.hi / other.lo, self.hi / other.hi))
+        lo = torch.where(spans_zero, -torch.inf, quotients.amin(0))
+        hi = torch.where(spans_zero, torch.inf, quotients.amax(0))
+        return self._fp32_op(lo, hi)
+
+    def sqrt(self):
+        # The operand of every sqrt in the rules is non-negative in exact arithmetic;
+        # a lower end below zero is rounding slack and is clamped.
+        return self._fp32_op(self.lo.clamp_min(0).sqrt(), self.hi.clamp_min(0).sqrt())
+
+    def sign(self):
+        """Exact: every sign the values in the interval can have."""
+        lo = torch.where(self.lo > 0, 1.0, torch.where(self.lo < 0, -1.0, 0.0)).to(_F64)
+        hi = torch.where(self.hi > 0, 1.0, torch.where(self.hi < 0, -1.0, 0.0)).to(_F64)
+        return Interval(lo, hi)
+
+    def contains(self, value: torch.Tensor) -> torch.Tensor:
+        v = value.to(_F64)
+        return (self.lo <= v) & (v <= self.hi)
+
+    @property
+    def radius(self) -> torch.Tensor:
+        return (self.hi - self.lo) / 2
+
+    def __repr__(self):
+        return f"Interval(lo={self.lo}, hi={self.hi})"

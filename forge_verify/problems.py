@@ -1,0 +1,52 @@
+"""Seeded problems for the properties: a weight and one (x, dy) pair per step, and
+running a rule over them through the fused or the oracle path."""
+
+from dataclasses import dataclass
+
+import torch
+
+import forge_kernels as fk
+
+
+@dataclass(frozen=True)
+class Problem:
+    tokens: int
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    steps: int
+    seed: int
+    scale: float = 1.0
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"T={self.tokens} N={self.out_features} K={self.in_features} {dtype} "
+                f"steps={self.steps} seed={self.seed} scale={self.scale:g}")
+
+
+@dataclass
+class Inputs:
+    weight: torch.Tensor
+    batches: list  # one (x, dy) pair per step
+
+
+def make_inputs(problem: Problem, device) -> Inputs:
+    """Draw the problem's tensors from its seed (on the CPU, so every backend sees the same values)."""
+    gen = torch.Generator().manual_seed(problem.seed)
+    T, N, K = problem.tokens, problem.out_features, problem.in_features
+    weight = torch.randn(N, K, generator=gen)
+    batches = []
+    for _ in range(problem.steps):
+        x = (torch.randn(T, K, generator=gen) * problem.scale).to(problem.dtype)
+        dy = torch.randn(T, N, generator=gen).to(problem.dtype)
+        batches.append((x.to(device), dy.to(device)))
+    return Inputs(weight.to(device), batches)
+
+
+def run_rule(inputs: Inputs, rule, *, oracle=False, config=None, first_step=1):
+    """Apply ``rule`` once per batch to a copy of the weight; returns (weight, state)."""
+    weight = inputs.weight.clone()
+    state = rule.init_state(weight)
+    for i, (x, dy) in enumerate(inputs.batches):
+        fk.fused_weight_update(x, dy, weight, state, rule, first_step + i, oracle=oracle, config=config)
+    return weight, state

@@ -1,0 +1,68 @@
+"""Hypothesis strategies, all in one place.
+
+Tile sizes come from small power-of-two sets so that GPU compiles stay bounded;
+problem sizes mix random values with edges (1, one less and one more than a tile,
++17-style misalignment) so ragged tiles are always exercised.
+"""
+
+import torch
+from hypothesis import strategies as st
+
+import forge_kernels as fk
+
+from .problems import Problem
+
+TILE_SIZES = (16, 32, 64)
+EDGE_SIZES = (1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 81)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def tile_configs(block_t=None):
+    """Tile configs; pass ``block_t`` to pin the token block."""
+    return st.builds(fk.TileConfig,
+                     block_n=st.sampled_from(TILE_SIZES),
+                     block_k=st.sampled_from(TILE_SIZES),
+                     block_t=st.just(block_t) if block_t is not None else st.sampled_from(TILE_SIZES))
+
+
+def sizes(max_size=81):
+    return st.one_of(st.sampled_from([s for s in EDGE_SIZES if s <= max_size]), st.integers(1, max_size))
+
+
+def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYPES, allow_no_tokens=True):
+    tokens = sizes(max_tokens)
+    if allow_no_tokens:
+        tokens = st.one_of(st.just(0), tokens)
+    return st.builds(Problem, tokens=tokens, out_features=sizes(max_features),
+                     in_features=sizes(max_features), dtype=st.sampled_from(dtypes),
+                     steps=st.integers(1, max_steps), seed=st.integers(0, 2**31 - 1),
+                     scale=st.sampled_from((1e-3, 1.0, 30.0)))
+
+
+_lr = st.floats(1e-5, 0.1)
+_beta = st.floats(0.0, 0.99)
+_beta2 = st.floats(0.5, 0.9999)
+_eps = st.sampled_from((1e-10, 1e-8, 1e-6, 1e-3))
+_decay = st.one_of(st.just(0.0), st.floats(1e-4, 0.1))
+
+
+@st.composite
+def _sgd(draw):
+    momentum = draw(st.one_of(st.just(0.0), st.floats(0.1, 0.99)))
+    nesterov = momentum > 0 and draw(st.booleans())
+    dampening = 0.0 if nesterov or momentum == 0 else draw(st.one_of(st.just(0.0), st.floats(0.0, 0.9)))
+    return fk.SGD(lr=draw(_lr), momentum=momentum, dampening=dampening,
+                  weight_decay=draw(_decay), nesterov=nesterov)
+
+
+RULES = {
+    "adamw": st.builds(fk.AdamW, lr=_lr, betas=st.tuples(_beta, _beta2), eps=_eps, weight_decay=_decay),
+    "adam": st.builds(fk.Adam, lr=_lr, betas=st.tuples(_beta, _beta2), eps=_eps),
+    "sgd": _sgd(),
+    "lion": st.builds(fk.Lion, lr=_lr, betas=st.tuples(_beta, _beta2), weight_decay=_decay),
+    "rmsprop": st.builds(fk.RMSprop, lr=_lr, alpha=_beta2, eps=_eps, weight_decay=_decay,
+                         momentum=st.one_of(st.just(0.0), st.floats(0.1, 0.95)), centered=st.booleans()),
+    "adagrad": st.builds(fk.Adagrad, lr=_lr, lr_decay=st.one_of(st.just(0.0), st.floats(0.0, 0.1)),
+                         weight_decay=_decay, initial_accumulator_value=st.sampled_from((0.0, 0.1)), eps=_eps),
+}
+"""One strategy per rule family, keyed by the family's name."""

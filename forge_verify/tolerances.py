@@ -1,0 +1,41 @@
+"""The one tolerance table: unit roundoffs by dtype and arithmetic unit, and the
+summation bound keyed by reduction length. Every bound in the harness is built
+from these numbers; proofs/reference_enclosure.md derives how.
+"""
+
+import torch
+
+#: unit roundoff u of round-to-nearest storage/arithmetic in each dtype
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+}
+
+#: absolute error allowed per fp32 operation near zero: the smallest normal fp32,
+#: which covers gradual underflow (2^-150) and flush-to-zero alike
+FP32_UNDERFLOW = 2.0**-126
+
+#: relative error per addition when fp32 tiles are accumulated, by (backend, operand dtype).
+#: Round-to-nearest fp32 (FMA or separate multiply-add) everywhere except the GPU's bf16
+#: tensor cores, whose accumulation aligns and truncates: one ulp, 2^-23, per addition
+#: (Fasi, Higham, Mikaitis, Pranesh 2021); we allow twice that (proofs/reference_enclosure.md).
+ACCUMULATION_UNIT = {
+    ("interpreter", torch.float32): 2.0**-24,
+    ("interpreter", torch.bfloat16): 2.0**-24,
+    ("gpu", torch.float32): 2.0**-24,
+    ("gpu", torch.bfloat16): 2.0**-22,
+}
+
+
+def gamma(n: int, u: float) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative bound of n rounded operations."""
+    if n * u >= 1:
+        raise ValueError(f"gamma({n}, {u}) is undefined: n*u >= 1")
+    return n * u / (1 - n * u)
+
+
+def accumulation_rtol(backend: str, operand_dtype: torch.dtype, length: int) -> float:
+    """Bound on |computed - exact| / sum|terms| of a dot product of ``length`` terms,
+    in any summation order, on ``backend`` ("interpreter" or "gpu")."""
+    return gamma(max(length, 1), ACCUMULATION_UNIT[(backend, operand_dtype)])

@@ -1,0 +1,21 @@
+"""forge_kernels: fused weight-gradient + optimizer-step kernels (FORGE).
+
+Kernels run compiled on a CUDA GPU, or on the CPU through the Triton interpreter
+when no GPU is present (decided once, in ``_backend``, before any kernel is defined).
+"""
+
+from . import _backend  # noqa: F401  (must run before any @triton.jit below)
+from ._backend import interpreting, kernel_device
+from .config import PINNED, TileConfig
+from .errors import NonFiniteInputError, NonFiniteUpdateError
+from .linear import ForgeLinear, ForgeLinearFunction, fuse
+from .ops.fused_weight_update import fused_weight_update
+from .ops.weight_gradient import weight_gradient
+from .rules import SGD, Adagrad, Adam, AdamW, Lion, RMSprop, Rule, bias_corrections
+
+__all__ = [
+    "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
+    "TileConfig", "PINNED", "fused_weight_update", "weight_gradient",
+    "ForgeLinear", "ForgeLinearFunction", "fuse",
+    "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device",
+]

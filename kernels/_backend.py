@@ -1,0 +1,24 @@
+"""Where kernels run: compiled on a CUDA GPU when one is present, otherwise on the
+CPU through the Triton interpreter.
+
+This module must be imported before any ``@triton.jit`` decoration in the package:
+Triton reads ``TRITON_INTERPRET`` when a function is decorated, not when it runs.
+A user who sets ``TRITON_INTERPRET`` themselves keeps their choice.
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_device() -> torch.device:
+    """The device on which kernel inputs must live."""
+    return torch.device("cpu") if interpreting() else torch.device("cuda")

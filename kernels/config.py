@@ -1,0 +1,37 @@
+"""Tile configurations of the fused weight-update kernel, as data.
+
+Exactness needs every element of dW to be reduced over the tokens in the same
+order on both paths being compared. The token block ``block_t`` is part of that
+order (see proofs/fp32_exactness.md), so the library never chooses a config from
+the problem's shape: callers pass one explicitly or get ``PINNED``.
+"""
+
+from dataclasses import dataclass
+
+_TILE_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One (BLOCK_N x BLOCK_K) tile of dW per program, tokens consumed BLOCK_T at a time."""
+
+    block_n: int = 64
+    block_k: int = 64
+    block_t: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "block_t"):
+            value = getattr(self, name)
+            if value not in _TILE_SIZES:
+                raise ValueError(f"TileConfig.{name}={value!r}: must be one of {_TILE_SIZES} "
+                                 "(a power of two of at least 16, the smallest tl.dot tile)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps={self.num_warps!r}: must be 1, 2, 4, 8 or 16")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"TileConfig.num_stages={self.num_stages!r}: must be in 1..8")
+
+
+PINNED = TileConfig()
+"""The config used when none is given, and the one the exactness tier pins."""

@@ -1,0 +1,172 @@
+"""Model integration: ``ForgeLinear`` and ``fuse``.
+
+A ForgeLinear's backward computes dX (and db) as usual, then updates its own weight
+in place through the fused kernel: one optimizer step per backward, counted in the
+layer's ``forge_step`` buffer. No weight gradient is returned (``weight.grad`` stays
+None), so an ordinary optimizer over ``model.parameters()`` skips fused weights;
+biases get ordinary gradients and are left to that optimizer.
+"""
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TileConfig
+from .ops.fused_weight_update import fused_weight_update
+from .rules.base import Rule
+
+_STATE_PREFIX = "forge_state_"
+
+
+class _PendingUse:
+    """Marks one forward whose backward has not run; dies with the autograd graph."""
+
+    __slots__ = ("__weakref__", "consumed")
+
+    def __init__(self):
+        self.consumed = False
+
+
+class ForgeLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, use):
+        ctx.save_for_backward(x, weight)
+        ctx.layer = layer
+        ctx.use = use
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        # Checked before unpacking: the weight's bumped version would otherwise raise a
+        # less helpful autograd error for the same mistake.
+        if ctx.use.consumed:
+            raise RuntimeError(f"backward ran twice through fused layer {ctx.layer.forge_name!r} "
+                               "(retain_graph?): its weight would be stepped twice")
+        ctx.use.consumed = True
+        ctx.layer._pending.discard(ctx.use)
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        db = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        # dX is computed above, from the weights this forward used; only now step them.
+        ctx.layer._apply_step(x.reshape(-1, x.shape[-1]), dy2)
+        return dx, None, db, None, None
+
+
+class ForgeLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is updated by ``rule`` inside its backward.
+
+    ``rule`` is shared by reference: ``rule.lr = 3e-4`` takes effect at the next
+    backward. The rule's state and the step count are buffers (``forge_state_<slot>``,
+    ``forge_step``) so they travel with ``state_dict()``.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_forge(rule, oracle, config)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, name=None):
+        """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer._init_forge(rule, oracle, config, name)
+        return layer
+
+    def _init_forge(self, rule, oracle, config, name=None):
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
+        if config is not None and not isinstance(config, TileConfig):
+            raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
+        if self.weight.dtype != torch.float32:
+            raise TypeError(f"fused layers keep float32 weights in this regime; got {self.weight.dtype}")
+        self.rule, self.oracle, self.config = rule, bool(oracle), config
+        self.forge_name = name or "ForgeLinear"
+        self._pending = weakref.WeakSet()
+        for slot, tensor in rule.init_state(self.weight.detach()).items():
+            self.register_buffer(_STATE_PREFIX + slot, tensor)
+        self.register_buffer("forge_step", torch.zeros((), dtype=torch.int64, device=self.weight.device))
+
+    @property
+    def forge_state(self) -> dict:
+        """The rule's state slots (live tensors, updated in place)."""
+        return {slot: getattr(self, _STATE_PREFIX + slot) for slot in self.rule.slots}
+
+    def forward(self, x):
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if len(self._pending):
+            raise RuntimeError(
+                f"fused layer {self.forge_name!r} was called again before the backward of its previous call: "
+                "a fused weight takes exactly one gradient per step, so tied or reused weights are refused "
+                "(they would be stepped twice or lose a contribution). If the earlier output is no longer "
+                "needed, drop it first; run forwards that take no step under torch.no_grad()")
+        use = _PendingUse()
+        self._pending.add(use)
+        return ForgeLinearFunction.apply(x, self.weight, self.bias, self, use)
+
+    def _apply_step(self, x2d, dy2d):
+        step = int(self.forge_step) + 1
+        with torch.no_grad():
+            fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, self.rule, step,
+                                oracle=self.oracle, config=self.config)
+        self.forge_step.fill_(step)
+        # The kernel writes the weight's memory directly; bump its version so autograd
+        # refuses any graph that saved the old values.
+        torch.autograd.graph.increment_version(self.weight)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rule={self.rule!r}, oracle={self.oracle}"
+
+
+def _shared_parameters(model: nn.Module) -> dict:
+    """id(parameter) -> every name it is registered under."""
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def fuse(model: nn.Module, rule, *, oracle=False, config=None) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` (in place) by a ForgeLinear using ``rule``.
+
+    The module tree, names and Parameter objects are unchanged. Refused with a clear
+    error: a Linear whose weight is registered anywhere else in the model (tied),
+    and subclasses of nn.Linear, whose forward may bypass ``nn.Linear.forward``
+    (e.g. MultiheadAttention's out_proj) and would leave the weight silently unfused.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ForgeLinear) or type(model) is nn.Linear:
+        raise TypeError("fuse converts the Linear layers inside a model; wrap a single layer with "
+                        "ForgeLinear.from_linear instead")
+    shared = _shared_parameters(model)
+    targets = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            qualified = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, ForgeLinear):
+                raise ValueError(f"{qualified!r} is already fused")
+            if isinstance(child, nn.Linear) and type(child) is not nn.Linear:
+                raise TypeError(f"{qualified!r} is a {type(child).__name__}, a subclass of nn.Linear whose "
+                                "forward may not go through nn.Linear.forward; refusing rather than leaving "
+                                "its weight silently unfused")
+            if type(child) is nn.Linear:
+                owners = shared[id(child.weight)]
+                if len(owners) > 1:
+                    raise ValueError(f"the weight of {qualified!r} is tied: it is registered as {owners}; "
+                                     "a fused weight must get exactly one gradient per step")
+                targets.append((module, child_name, qualified, child))
+    for parent, child_name, qualified, linear in targets:
+        setattr(parent, child_name, ForgeLinear.from_linear(linear, rule, oracle=oracle, config=config,
+                                                            name=qualified))
+    return model

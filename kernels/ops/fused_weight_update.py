@@ -1,0 +1,179 @@
+"""The fused weight update: dW = dYᵀX accumulated per tile in fp32 registers, the
+optimizer rule applied to the tile in the epilogue; dW never exists as a tensor.
+
+Three layers, as in Liger-Kernel: ``_*_kernel`` (jit, private) → ``fused_weight_update``
+(checks, allocates, launches). The oracle (``oracle=True``) runs the same tile loop
+(``_weight_grad_tile``) into a materialized fp32 dW, then the same epilogue
+(``_rule_epilogue``, hence the same rule function) in a second kernel. The two paths
+differ only in where the epilogue's gradient tile comes from.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import interpreting
+from ..config import PINNED, TileConfig
+from ..errors import NonFiniteUpdateError
+from ..rules.base import NUM_SLOTS
+from .validation import check_finite_inputs, check_update_inputs
+from .weight_gradient import _weight_grad_tile, launch_weight_gradient
+
+FP32_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _is_finite(v):
+    return tl.abs(v) <= FP32_MAX
+
+
+@triton.jit
+def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+                   h0, h1, h2, h3, h4, h5, h6, h7,
+                   RULE: tl.constexpr, VARIANT: tl.constexpr,
+                   HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr):
+    """Apply RULE to one tile and store it, unless anything in the tile is non-finite.
+
+    A tile whose gradient, new weight or new state holds a NaN or infinity is not
+    stored at all (weight and state keep their old values); its count of bad
+    elements goes to ``flag_ptr[tile_id]`` so the launcher can raise.
+    """
+    mask = mask_n[:, None] & mask_k[None, :]
+    idx = offs_n[:, None] * K + offs_k[None, :]
+    w = tl.load(w_ptr + idx, mask=mask, other=0.0)
+    zeros = tl.zeros_like(w)
+    s0 = zeros
+    s1 = zeros
+    s2 = zeros
+    if HAS_S0:
+        s0 = tl.load(s0_ptr + idx, mask=mask, other=0.0)
+    if HAS_S1:
+        s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+    if HAS_S2:
+        s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+    w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
+    finite = _is_finite(g) & _is_finite(w)
+    if HAS_S0:
+        finite = finite & _is_finite(s0)
+    if HAS_S1:
+        finite = finite & _is_finite(s1)
+    if HAS_S2:
+        finite = finite & _is_finite(s2)
+    num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
+    # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
+    keep = mask & ((idx * 0 + num_bad) == 0)
+    tl.store(w_ptr + idx, w, mask=keep)
+    if HAS_S0:
+        tl.store(s0_ptr + idx, s0, mask=keep)
+    if HAS_S1:
+        tl.store(s1_ptr + idx, s1, mask=keep)
+    if HAS_S2:
+        tl.store(s2_ptr + idx, s2, mask=keep)
+    tl.store(flag_ptr + tile_id, num_bad)
+
+
+@triton.jit
+def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, T, N, K,
+                                stride_xt, stride_xk, stride_dyt, stride_dyn,
+                                h0, h1, h2, h3, h4, h5, h6, h7,
+                                RULE: tl.constexpr, VARIANT: tl.constexpr,
+                                HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                                UPCAST_OPERANDS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
+    tile_id = pid_n * tl.num_programs(1) + pid_k
+    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+                   h0, h1, h2, h3, h4, h5, h6, h7, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2)
+
+
+@triton.jit
+def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, N, K,
+                       h0, h1, h2, h3, h4, h5, h6, h7,
+                       RULE: tl.constexpr, VARIANT: tl.constexpr,
+                       HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Oracle, second half: the same epilogue, its gradient tile read from memory."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    tile_id = pid_n * tl.num_programs(1) + pid_k
+    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+                   h0, h1, h2, h3, h4, h5, h6, h7, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2)
+
+
+def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: int):
+    bad = torch.nonzero(flags).flatten().tolist()
+    if not bad:
+        return
+    tiles = []
+    for tile_id in bad:
+        pid_n, pid_k = divmod(tile_id, grid[1])
+        tiles.append((pid_n * config.block_n, min(N, (pid_n + 1) * config.block_n),
+                      pid_k * config.block_k, min(K, (pid_k + 1) * config.block_k)))
+    r0, r1, c0, c1 = tiles[0]
+    raise NonFiniteUpdateError(
+        f"{len(tiles)} of {grid[0] * grid[1]} weight tiles had a non-finite gradient, weight or state "
+        f"after the rule (first: rows {r0}:{r1}, columns {c0}:{c1}). Those tiles were left unchanged; "
+        "the other tiles took the step.", tiles)
+
+
+def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None):
+    """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
+
+    x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``step``
+    is the 1-based step number the rule's scalars (bias corrections, first-step
+    momentum) are computed for. ``oracle=True`` materializes dW with the same tile
+    loop and applies the same rule in a second kernel (the exactness reference).
+    ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``.
+
+    Non-finite values: NaN/inf in x or dy raise ``NonFiniteInputError`` before
+    anything is written. A tile whose gradient or result is non-finite (overflow)
+    is not written; the call then raises ``NonFiniteUpdateError`` listing the tiles.
+    T = 0 is allowed: dW is then the empty sum, 0, and the rule steps with a zero
+    gradient (decay and momentum still act), as torch.optim does with a zero grad.
+    """
+    config = PINNED if config is None else config
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(config).__name__}")
+    check_update_inputs(x, dy, weight, state, rule)
+    scalars = rule.scalars(step)
+    T, K = x.shape
+    N = weight.shape[0]
+    if N == 0 or K == 0:
+        return
+    check_finite_inputs(x, dy)
+
+    layout = rule.slot_layout
+    assert len(layout) == NUM_SLOTS
+    # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
+    slot_tensors = [state[name] if name is not None else weight for name in layout]
+    has_slot = [name is not None for name in layout]
+    grid = (triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))
+    flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=weight.device)
+    upcast = interpreting() and x.dtype == torch.bfloat16
+    strides = (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1))
+    rule_args = dict(RULE=rule.update, VARIANT=rule.variant,
+                     HAS_S0=has_slot[0], HAS_S1=has_slot[1], HAS_S2=has_slot[2])
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+
+    if oracle:
+        grad = launch_weight_gradient(x, dy, config)
+        _apply_rule_kernel[grid](grad, weight, *slot_tensors, flags, N, K, *scalars,
+                                 **rule_args, **tiles, **launch)
+    else:
+        _fused_weight_update_kernel[grid](x, dy, weight, *slot_tensors, flags, T, N, K, *strides, *scalars,
+                                          **rule_args, **tiles, BLOCK_T=config.block_t,
+                                          UPCAST_OPERANDS=upcast, **launch)
+    _raise_if_flagged(flags, grid, config, N, K)

@@ -1,0 +1,101 @@
+"""Checks the launchers run before touching memory: every bad input gets an error
+that names what was wrong."""
+
+import torch
+
+from .._backend import interpreting, kernel_device
+from ..errors import NonFiniteInputError
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+# Kernel offsets are 32-bit element indices.
+MAX_ELEMENTS = 2**31 - 1
+
+
+def _span(t: torch.Tensor):
+    """(storage pointer, first byte, one past last byte) that ``t`` can touch."""
+    if t.numel() == 0:
+        return None
+    start = t.storage_offset()
+    stop = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    size = t.element_size()
+    return t.untyped_storage().data_ptr(), start * size, stop * size
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may share memory (same storage, intersecting byte ranges)."""
+    sa, sb = _span(a), _span(b)
+    if sa is None or sb is None or sa[0] != sb[0]:
+        return False
+    return sa[1] < sb[2] and sb[1] < sa[2]
+
+
+def _check_tensor(name, t, ndim):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.numel() > MAX_ELEMENTS:
+        raise ValueError(f"{name} has {t.numel()} elements; the kernel indexes with 32-bit "
+                         f"offsets and takes at most {MAX_ELEMENTS}")
+
+
+def _check_device(name, t):
+    expected = kernel_device()
+    if t.device.type != expected.type:
+        where = "the Triton interpreter (CPU)" if interpreting() else "the GPU"
+        raise ValueError(f"{name} is on {t.device}, but kernels run on {where}: inputs must be on {expected.type}")
+
+
+def check_activations(x, dy):
+    """x (T, K) and dy (T, N): 2-D, same dtype (float32 or bfloat16), same tokens, same device."""
+    _check_tensor("x", x, 2)
+    _check_tensor("dy", dy, 2)
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"x is {x.dtype}; activations must be float32 or bfloat16")
+    if dy.dtype != x.dtype:
+        raise TypeError(f"dy is {dy.dtype} but x is {x.dtype}; they must match")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} tokens (rows) but dy has {dy.shape[0]}")
+    _check_device("x", x)
+    _check_device("dy", dy)
+    if x.device != dy.device:
+        raise ValueError(f"x is on {x.device} but dy on {dy.device}")
+
+
+def check_update_inputs(x, dy, weight, state, rule):
+    """Validate the arguments of ``fused_weight_update``; raise on the first problem."""
+    check_activations(x, dy)
+    _check_tensor("weight", weight, 2)
+    if weight.dtype != torch.float32:
+        raise TypeError(f"weight is {weight.dtype}; the fp32 regime updates float32 weights")
+    K = x.shape[1]
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but x has {K} input features")
+    if dy.shape[1] != N:
+        raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but dy has {dy.shape[1]} output features")
+    _check_device("weight", weight)
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x on {x.device}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous (it is updated in place)")
+    if not hasattr(rule, "slot_layout") or getattr(rule, "update", None) is None:
+        raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
+    rule.check_state(state, weight)
+    written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in rule.slots]
+    read = [("x", x), ("dy", dy)]
+    for i, (name_a, a) in enumerate(written):
+        for name_b, b in written[i + 1:] + read:
+            if overlaps(a, b):
+                raise ValueError(f"{name_a} and {name_b} share memory; the update writes "
+                                 f"{name_a} in place, so they must not overlap")
+
+
+def check_finite_inputs(x, dy):
+    """Refuse non-finite activations or output gradients before anything is written."""
+    if bool(torch.isfinite(x).all() & torch.isfinite(dy).all()):
+        return
+    bad_x = int((~torch.isfinite(x)).sum())
+    bad_dy = int((~torch.isfinite(dy)).sum())
+    raise NonFiniteInputError(f"non-finite inputs: {bad_x} element(s) of x and {bad_dy} of dy are NaN or "
+                              "infinite; nothing was updated")

@@ -1,0 +1,78 @@
+"""The weight gradient dW = dyᵀ x, tile by tile: the loop the fused kernel runs, and
+the materialized gradient that the oracle path (and ``weight_gradient``) stores."""
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import interpreting
+from ..config import PINNED, TileConfig
+from .validation import check_activations
+
+
+@triton.jit
+def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                      offs_n, offs_k, mask_n, mask_k,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      UPCAST_OPERANDS: tl.constexpr):
+    """One (BLOCK_N, BLOCK_K) tile of dYᵀX, reduced over all T tokens in BLOCK_T chunks.
+
+    The accumulator is threaded through ``tl.dot`` (never ``acc += dot``), and the
+    token loop runs in one fixed order, so each element's reduction order depends on
+    BLOCK_T and the backend's dot, never on which path (fused or oracle) runs it.
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        dy_tile = tl.load(dy_ptr + offs_n[:, None] * stride_dyn + offs_t[None, :] * stride_dyt,
+                          mask=mask_n[:, None] & mask_t[None, :], other=0.0)
+        x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                         mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        if UPCAST_OPERANDS:
+            # The interpreter's tl.dot is wrong on bf16 operands; bf16 x bf16 products
+            # are exact in fp32, so upcasting first changes nothing but the bug.
+            dy_tile = dy_tile.to(tl.float32)
+            x_tile = x_tile.to(tl.float32)
+        # "ieee": full fp32 products on GPU rather than TF32 (ignored for bf16 operands).
+        acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _weight_grad_kernel(x_ptr, dy_ptr, grad_ptr, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        UPCAST_OPERANDS: tl.constexpr):
+    """Oracle, first half: the same tile loop, its fp32 result stored as dW."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
+    tl.store(grad_ptr + offs_n[:, None] * K + offs_k[None, :], g, mask=mask_n[:, None] & mask_k[None, :])
+
+
+def launch_weight_gradient(x, dy, config: TileConfig) -> torch.Tensor:
+    """Launch ``_weight_grad_kernel`` on validated inputs; returns the fp32 (N, K) gradient."""
+    T, K = x.shape
+    N = dy.shape[1]
+    grad = torch.empty((N, K), dtype=torch.float32, device=x.device)
+    if N == 0 or K == 0:
+        return grad
+    grid = (triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))
+    _weight_grad_kernel[grid](x, dy, grad, T, N, K, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+                              BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
+                              UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16,
+                              num_warps=config.num_warps, num_stages=config.num_stages)
+    return grad
+
+
+def weight_gradient(x, dy, *, config=None):
+    """dW = dyᵀ x as an fp32 (N, K) tensor: bitwise the gradient tile that
+    ``fused_weight_update`` hands its rule for the same ``config``."""
+    config = PINNED if config is None else config
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(config).__name__}")
+    check_activations(x, dy)
+    return launch_weight_gradient(x, dy, config)

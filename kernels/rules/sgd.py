@@ -1,0 +1,75 @@
+"""SGD with optional momentum, dampening, Nesterov momentum and (coupled) weight decay,
+as ``torch.optim.SGD``.
+
+torch.optim starts the momentum buffer as a copy of the first gradient, with no
+dampening. Here the buffer starts at zero and the first step's scalars are
+(buffer factor 0, gradient factor 1), which gives exactly that copy.
+"""
+
+import triton
+import triton.language as tl
+
+from .base import Rule, check_real
+
+PLAIN, MOMENTUM, NESTEROV = 0, 1, 2
+
+
+@triton.jit
+def sgd_update(w, g, buf, unused1, unused2, lr, weight_decay, buf_factor, grad_factor, momentum,
+               h5, h6, h7, VARIANT: tl.constexpr):
+    d = g + weight_decay * w
+    if VARIANT != 0:
+        buf = buf_factor * buf + grad_factor * d
+        if VARIANT == 2:
+            d = d + momentum * buf
+        else:
+            d = buf
+    w = w - lr * d
+    return w, buf, unused1, unused2
+
+
+class SGD(Rule):
+    update = sgd_update
+
+    def __init__(self, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+        self.lr = lr
+        self.momentum = momentum
+        self.dampening = dampening
+        self.weight_decay = weight_decay
+        self.nesterov = bool(nesterov)
+        self._validate()
+        # The slot layout is fixed at construction: state made for one layout must not
+        # silently change meaning if momentum is switched on later.
+        self._has_momentum = self.momentum != 0
+
+    @property
+    def slot_layout(self):
+        return ("momentum_buffer" if self._has_momentum else None, None, None)
+
+    @property
+    def variant(self):
+        if not self._has_momentum:
+            return PLAIN
+        return NESTEROV if self.nesterov else MOMENTUM
+
+    def hyperparameters(self):
+        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def _validate(self):
+        check_real("lr", self.lr, low=0.0)
+        check_real("momentum", self.momentum, low=0.0)
+        check_real("dampening", self.dampening, low=0.0, high=1.0)
+        check_real("weight_decay", self.weight_decay, low=0.0)
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
+        if hasattr(self, "_has_momentum") and (self.momentum != 0) != self._has_momentum:
+            raise ValueError("momentum cannot be switched between zero and non-zero after "
+                             "construction: it changes which state the rule keeps")
+
+    def _host_scalars(self, step):
+        if step == 1:
+            buf_factor, grad_factor = 0.0, 1.0
+        else:
+            buf_factor, grad_factor = self.momentum, 1.0 - self.dampening
+        return (self.lr, self.weight_decay, buf_factor, grad_factor, self.momentum)

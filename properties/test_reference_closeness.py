@@ -1,0 +1,20 @@
+"""Closeness: the fused fp32 update lies inside the rigorous enclosure of the exact
+step (proofs/reference_enclosure.md), as does the float64 reference; the distance
+between kernel and float64 reference is reported in ulps."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from forge_verify import claims
+from forge_verify import strategies as fst
+from forge_verify.observations import observe
+
+
+@pytest.mark.parametrize("family", sorted(fst.RULES))
+@given(data=st.data())
+def test_update_inside_proven_enclosure(family, data, device, backend):
+    problem = data.draw(fst.problems(max_tokens=64, max_features=40), label="problem")
+    rule = data.draw(fst.RULES[family], label="rule")
+    config = data.draw(fst.tile_configs(), label="config")
+    observe(claims.within_enclosure(problem, rule, config, device, backend))

@@ -1,0 +1,53 @@
+"""Which tile configs are exactness-equivalent.
+
+Claim: the bits do not depend on BLOCK_N or BLOCK_K (each element's token sum runs
+in the same order whatever tile it sits in). BLOCK_T is part of that order; whether
+it changes the bits is a per-backend finding (forge_verify.findings), asserted here
+so that a change of behaviour is noticed.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import forge_kernels as fk
+from forge_verify import claims, findings
+from forge_verify import strategies as fst
+from forge_verify.problems import Problem, make_inputs, run_rule
+from forge_verify.observations import observe
+
+pytestmark = pytest.mark.exactness
+
+
+@pytest.mark.parametrize("family", sorted(fst.RULES))
+@given(data=st.data())
+def test_bits_do_not_depend_on_block_n_or_block_k(family, data, device):
+    problem = data.draw(fst.problems(max_steps=2), label="problem")
+    rule = data.draw(fst.RULES[family], label="rule")
+    block_t = data.draw(st.sampled_from(fst.TILE_SIZES), label="block_t")
+    config_a = data.draw(fst.tile_configs(block_t=block_t), label="config_a")
+    config_b = data.draw(fst.tile_configs(block_t=block_t), label="config_b")
+    claims.tiling_invariant(problem, rule, config_a, config_b, device)
+    observe(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_t_finding(dtype, device, backend):
+    """A fixed problem long enough for several token blocks, run with BLOCK_T 16 and 64:
+    whether the gradient's bits differ must match the recorded finding."""
+    problem = Problem(tokens=512, out_features=48, in_features=40, dtype=dtype, steps=1, seed=7)
+    inputs = make_inputs(problem, device)
+    x, dy = inputs.batches[0]
+    grads = [fk.weight_gradient(x, dy, config=fk.TileConfig(block_t=bt)) for bt in (16, 64)]
+    differs = not torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+    expected = findings.BLOCK_T_CHANGES_BITS[(backend, dtype)]
+    assert differs == expected, (
+        f"on {backend} with {dtype} activations BLOCK_T {'changed' if differs else 'did not change'} the "
+        f"gradient's bits, but forge_verify.findings records {expected}: update the finding and the README")
+    # The same holds one level up: the fused update inherits the gradient's bits.
+    rule = fk.AdamW(lr=1e-3)
+    w16, _ = run_rule(inputs, rule, config=fk.TileConfig(block_t=16))
+    w64, _ = run_rule(inputs, rule, config=fk.TileConfig(block_t=64))
+    assert (not torch.equal(w16.view(torch.int32), w64.view(torch.int32))) == expected
+    observe(0)

@@ -1,0 +1,194 @@
+"""Every bad input to fused_weight_update gets a clear error, and nothing is written."""
+
+import pytest
+import torch
+
+import forge_kernels as fk
+
+
+@pytest.fixture
+def good(device):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 12, generator=gen).to(device)
+    dy = torch.randn(20, 10, generator=gen).to(device)
+    w = torch.randn(10, 12, generator=gen).to(device)
+    rule = fk.AdamW(lr=1e-2)
+    return x, dy, w, rule.init_state(w), rule
+
+
+def _call(x, dy, w, state, rule, step=1, **kw):
+    fk.fused_weight_update(x, dy, w, state, rule, step, **kw)
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("x_1d", ValueError, "x must be 2-D"),
+    ("x_fp16", TypeError, "activations must be float32 or bfloat16"),
+    ("x_int", TypeError, "activations must be float32 or bfloat16"),
+    ("dy_dtype", TypeError, "dy is torch.bfloat16 but x is torch.float32"),
+    ("weight_bf16", TypeError, "fp32 regime updates float32 weights"),
+    ("tokens", ValueError, "x has 20 tokens (rows) but dy has 19"),
+    ("in_features", ValueError, "but x has 11 input features"),
+    ("out_features", ValueError, "but dy has 9 output features"),
+    ("weight_strided", ValueError, "weight must be contiguous"),
+    ("device", ValueError, "but kernels run on"),
+    ("not_tensor", TypeError, "x must be a torch.Tensor"),
+])
+def test_bad_tensors_are_refused(good, case, error, message):
+    x, dy, w, state, rule = good
+    if case == "x_1d":
+        x = x[0]
+    elif case == "x_fp16":
+        x, dy = x.half(), dy.half()
+    elif case == "x_int":
+        x, dy = x.int(), dy.int()
+    elif case == "dy_dtype":
+        dy = dy.bfloat16()
+    elif case == "weight_bf16":
+        w = w.bfloat16()
+    elif case == "tokens":
+        dy = dy[:19]
+    elif case == "in_features":
+        x = x[:, :11]
+    elif case == "out_features":
+        dy = dy[:, :9]
+    elif case == "weight_strided":
+        w = torch.randn(12, 10, device=w.device).t()
+        state = rule.init_state(w.contiguous())
+    elif case == "device":
+        x = x.to("meta")
+        dy = dy.to("meta")
+    elif case == "not_tensor":
+        x = x.tolist()
+    before = w.clone()
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _call(x, dy, w, state, rule)
+    if case not in ("weight_bf16", "weight_strided"):
+        assert torch.equal(w, before)
+
+
+def test_state_from_another_rule_is_refused(good):
+    x, dy, w, _, rule = good
+    with pytest.raises(ValueError, match="was it made by another rule"):
+        _call(x, dy, w, fk.SGD(momentum=0.9).init_state(w), rule)
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("dtype", "the fp32 regime keeps fp32 state"),
+    ("shape", "has shape"),
+    ("not_dict", "state must be a dict"),
+    ("strided", "must be contiguous"),
+])
+def test_malformed_state_is_refused(good, problem, message):
+    x, dy, w, state, rule = good
+    if problem == "dtype":
+        state["exp_avg"] = state["exp_avg"].double()
+    elif problem == "shape":
+        state["exp_avg"] = state["exp_avg"][:5]
+    elif problem == "not_dict":
+        state = list(state.values())
+    elif problem == "strided":
+        state["exp_avg"] = torch.zeros(12, 10, device=w.device).t()
+    with pytest.raises((TypeError, ValueError), match=message):
+        _call(x, dy, w, state, rule)
+
+
+@pytest.mark.parametrize("alias", ["state_is_weight", "x_is_weight", "two_slots_one_tensor"])
+def test_overlapping_tensors_are_refused(good, alias):
+    x, dy, w, state, rule = good
+    if alias == "state_is_weight":
+        state["exp_avg"] = w
+    elif alias == "x_is_weight":
+        w = torch.randn(12, 12, device=w.device)
+        x, dy, state = w, torch.randn(12, 12, device=w.device), rule.init_state(w)
+    elif alias == "two_slots_one_tensor":
+        state["exp_avg_sq"] = state["exp_avg"]
+    with pytest.raises(ValueError, match="share memory"):
+        _call(x, dy, w, state, rule)
+
+
+@pytest.mark.parametrize("step", [0, -1, 1.5, True, "1"])
+def test_bad_step_is_refused(good, step):
+    x, dy, w, state, rule = good
+    with pytest.raises(ValueError, match="step must be an integer >= 1"):
+        _call(x, dy, w, state, rule, step)
+
+
+def test_bad_config_and_rule_are_refused(good):
+    x, dy, w, state, rule = good
+    with pytest.raises(TypeError, match="config must be a forge_kernels.TileConfig"):
+        _call(x, dy, w, state, rule, config=(64, 64, 32))
+    with pytest.raises(TypeError, match="rule must be a forge_kernels Rule"):
+        _call(x, dy, w, state, torch.optim.AdamW)
+    with pytest.raises(ValueError, match="block_t=24"):
+        fk.TileConfig(block_t=24)
+
+
+def test_hyperparameter_changed_to_invalid_value_is_refused_at_launch(good):
+    x, dy, w, state, rule = good
+    rule.lr = -1.0
+    before = w.clone()
+    with pytest.raises(ValueError, match="lr=-1.0 is outside"):
+        _call(x, dy, w, state, rule)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("where", ["x", "dy"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_inputs_write_nothing(good, where, value):
+    x, dy, w, state, rule = good
+    (x if where == "x" else dy)[3, 4] = value
+    before = (w.clone(), {k: v.clone() for k, v in state.items()})
+    with pytest.raises(fk.NonFiniteInputError, match="nothing was updated"):
+        _call(x, dy, w, state, rule)
+    assert torch.equal(w, before[0])
+    assert all(torch.equal(state[k], before[1][k]) for k in state)
+
+
+# The interpreter's numpy reports the overflow this test provokes on purpose.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("oracle", [False, True])
+def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle):
+    """A finite x and dy whose product overflows fp32 in one tile: that tile keeps its
+    old weight and state, the others step, and the call says which tile it was."""
+    config = fk.TileConfig(block_n=16, block_k=16, block_t=16)
+    x = torch.ones(4, 40, device=device)
+    dy = torch.ones(4, 40, device=device)
+    x[:, 20] = 1e20
+    dy[:, 5] = 1e20  # only dW[5, 20] = 4e40 overflows; SGD squares nothing, so no other element does
+    w = torch.ones(40, 40, device=device)
+    rule = fk.SGD(lr=1e-2, momentum=0.9)
+    state = rule.init_state(w)
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"1 of 9 weight tiles .* rows 0:16, columns 16:32") as info:
+        _call(x, dy, w, state, rule, config=config, oracle=oracle)
+    assert info.value.tiles == [(0, 16, 16, 32)]
+    assert torch.all(w[0:16, 16:32] == 1) and torch.all(state["momentum_buffer"][0:16, 16:32] == 0)
+    outside = torch.ones_like(w, dtype=torch.bool)
+    outside[0:16, 16:32] = False
+    assert torch.all(w[outside] != 1)
+    assert torch.isfinite(w).all() and all(torch.isfinite(s).all() for s in state.values())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_non_finite_weight_is_not_propagated(good):
+    x, dy, w, state, rule = good
+    w[2, 3] = float("nan")
+    with pytest.raises(fk.NonFiniteUpdateError):
+        _call(x, dy, w, state, rule)
+    assert torch.isfinite(state["exp_avg"]).all() and torch.isfinite(state["exp_avg_sq"]).all()
+
+
+def test_no_tokens_steps_with_zero_gradient(device):
+    """T = 0 is the empty sum: the rule runs with g = 0 (SGD: only weight decay acts)."""
+    w = torch.full((5, 7), 2.0, device=device)
+    rule = fk.SGD(lr=0.5, weight_decay=0.1)
+    fk.fused_weight_update(torch.empty(0, 7, device=device), torch.empty(0, 5, device=device),
+                           w, rule.init_state(w), rule, 1)
+    assert torch.all(w == torch.tensor(2.0) - torch.tensor(0.5) * (torch.tensor(0.1) * torch.tensor(2.0)))
+
+
+def test_empty_weight_is_a_no_op(device):
+    w = torch.empty(0, 7, device=device)
+    rule = fk.AdamW()
+    fk.fused_weight_update(torch.randn(3, 7, device=device), torch.randn(3, 0, device=device), w,
+                           rule.init_state(w), rule, 1)

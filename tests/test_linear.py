@@ -1,0 +1,153 @@
+"""ForgeLinear and fuse: one fused step per backward, dX from the pre-update weight,
+model-level fused == oracle, and the refusals (tied, reused, subclassed layers)."""
+
+import pytest
+import torch
+from torch import nn
+
+import forge_kernels as fk
+from forge_verify import assert_bitwise_equal
+
+
+def _mlp(seed, device):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 8, bias=False)).to(device)
+
+
+def _train(model, batches):
+    for x, target in batches:
+        loss = (model(x) - target).square().mean()
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+    return model
+
+
+def _batches(device, n=3, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, 9, 12, generator=gen).to(device, dtype), torch.randn(2, 9, 8, generator=gen).to(device))
+            for _ in range(n)]
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("rule", [fk.AdamW(lr=1e-2), fk.SGD(lr=0.1, momentum=0.9, nesterov=True),
+                                  fk.Lion(lr=1e-3), fk.RMSprop(centered=True), fk.Adagrad()], ids=repr)
+def test_fused_model_equals_oracle_model(rule, device):
+    fused = _train(fk.fuse(_mlp(0, device), rule), _batches(device))
+    oracle = _train(fk.fuse(_mlp(0, device), rule, oracle=True), _batches(device))
+    for (name, a), (_, b) in zip(fused.state_dict().items(), oracle.state_dict().items()):
+        if a.is_floating_point():
+            assert_bitwise_equal(a, b, name)
+    assert int(fused[0].forge_step) == 3
+
+
+def test_layer_step_equals_direct_kernel_call_and_dx_uses_old_weight(device):
+    rule = fk.AdamW(lr=1e-2)
+    torch.manual_seed(0)
+    linear = nn.Linear(12, 24, bias=False).to(device)
+    w0 = linear.weight.detach().clone()
+    layer = fk.ForgeLinear.from_linear(linear, rule)
+    x = torch.randn(2, 5, 12, device=device, requires_grad=True)
+    dy = torch.randn(2, 5, 24, device=device)
+    layer(x).backward(dy)
+
+    expected_w, state = w0.clone(), rule.init_state(w0)
+    fk.fused_weight_update(x.detach().reshape(10, 12), dy.reshape(10, 24), expected_w, state, rule, 1)
+    assert_bitwise_equal(layer.weight.detach(), expected_w, "weight")
+    assert_bitwise_equal(layer.forge_state["exp_avg_sq"], state["exp_avg_sq"], "exp_avg_sq")
+    assert_bitwise_equal(x.grad, dy @ w0, "dX")
+    assert layer.weight.grad is None
+
+
+def test_bias_gets_an_ordinary_gradient(device):
+    layer = fk.ForgeLinear(6, 4, rule=fk.SGD(lr=0.1), device=device)
+    dy = torch.randn(3, 4, device=device)
+    layer(torch.randn(3, 6, device=device)).backward(dy)
+    assert_bitwise_equal(layer.bias.grad, dy.sum(0), "bias grad")
+
+
+def test_changed_learning_rate_applies_at_next_backward(device):
+    rule = fk.SGD(lr=0.1)
+    layer = fk.ForgeLinear(6, 4, bias=False, rule=rule, device=device)
+    x = torch.randn(3, 6, device=device)
+    dy = torch.randn(3, 4, device=device)
+    grad = fk.weight_gradient(x, dy)
+    w = layer.weight.detach().clone()
+    rule.lr = 0.25
+    layer(x).backward(dy)
+    assert_bitwise_equal(layer.weight.detach(), w - torch.tensor(0.25) * (grad + torch.tensor(0.0) * w), "weight")
+
+
+def test_no_grad_forward_takes_no_step(device):
+    layer = fk.ForgeLinear(6, 4, rule=fk.AdamW(), device=device)
+    w = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer(torch.randn(3, 6, device=device))
+    assert torch.equal(layer.weight, w) and int(layer.forge_step) == 0
+
+
+def test_state_and_step_are_in_state_dict(device):
+    model = fk.fuse(_mlp(0, device), fk.AdamW())
+    keys = set(model.state_dict())
+    assert {"0.forge_state_exp_avg", "0.forge_state_exp_avg_sq", "0.forge_step", "2.forge_step"} <= keys
+
+
+def test_fuse_keeps_structure_and_parameters(device):
+    model = _mlp(0, device)
+    params = [id(p) for p in model.parameters()]
+    names = [n for n, _ in model.named_modules()]
+    assert fk.fuse(model, fk.AdamW()) is model
+    assert [id(p) for p in model.parameters()] == params
+    assert [n for n, _ in model.named_modules()] == names
+    assert isinstance(model[0], fk.ForgeLinear) and model[0].forge_name == "0"
+
+
+def test_reused_layer_is_refused(device):
+    layer = fk.ForgeLinear(6, 6, rule=fk.AdamW(), device=device)
+    x = torch.randn(3, 6, device=device)
+    with pytest.raises(RuntimeError, match="called again before the backward"):
+        layer(layer(x))
+
+
+def test_second_backward_through_retained_graph_is_refused(device):
+    layer = fk.ForgeLinear(6, 6, rule=fk.AdamW(), device=device)
+    out = layer(torch.randn(3, 6, device=device)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.backward()
+    assert int(layer.forge_step) == 1
+
+
+def test_dropped_output_frees_the_layer(device):
+    layer = fk.ForgeLinear(6, 6, rule=fk.AdamW(), device=device)
+    x = torch.randn(3, 6, device=device)
+    out = layer(x)
+    del out
+    layer(x).sum().backward()
+    assert int(layer.forge_step) == 1
+
+
+def test_tied_weights_are_refused(device):
+    model = _mlp(0, device)
+    model.append(nn.Linear(12, 24))
+    model[3].weight = model[0].weight
+    with pytest.raises(ValueError, match="is tied"):
+        fk.fuse(model, fk.AdamW())
+
+
+def test_linear_subclass_is_refused(device):
+    attention = nn.MultiheadAttention(8, 2).to(device)
+    with pytest.raises(TypeError, match="subclass of nn.Linear"):
+        fk.fuse(nn.Sequential(attention), fk.AdamW())
+
+
+def test_bf16_weight_is_refused(device):
+    with pytest.raises(TypeError, match="float32 weights"):
+        fk.fuse(_mlp(0, device).bfloat16(), fk.AdamW())
+
+
+def test_bf16_activations_update_fp32_weights(device):
+    model = fk.fuse(_mlp(0, device), fk.AdamW(lr=1e-2))
+    before = model[0].weight.detach().clone()
+    _train(model, _batches(device, n=1, dtype=torch.bfloat16))
+    assert model[0].weight.dtype == torch.float32 and not torch.equal(model[0].weight, before)
