@@ -12,7 +12,7 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-PROFILE_VARIABLE = "FORGE_HYPOTHESIS_PROFILE"
+from .check import PROFILE_VARIABLE
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

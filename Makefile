@@ -1,0 +1,29 @@
+# Two commands set everything up on a fresh machine:
+#   make check   create .venv, install the pinned set, run `forge-verify check`
+#   make test    same set-up, run the default test tier (pytest; slow tier excluded)
+# Without CUDA the pinned set takes the CPU build of torch (requirements/cpu.txt).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+REQUIREMENTS := $(if $(shell command -v nvidia-smi 2>/dev/null),requirements/cuda.txt,requirements/cpu.txt)
+STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
+
+.PHONY: check test setup clean
+
+$(STAMP): $(REQUIREMENTS) pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --requirement $(REQUIREMENTS)
+	$(PY) -m pip install --quiet --no-deps --editable .
+	touch $@
+
+setup: $(STAMP)
+
+check: $(STAMP)
+	$(VENV)/bin/forge-verify check
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
