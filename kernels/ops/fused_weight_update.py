@@ -19,7 +19,8 @@ from ..rules.base import NUM_SLOTS
 from .validation import check_finite_inputs, check_update_inputs
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
-FP32_MAX = 3.4028234663852886e38
+# A constexpr global: the only kind a compiled kernel may read.
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
