@@ -32,6 +32,17 @@ class TileConfig:
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"TileConfig.num_stages={self.num_stages!r}: must be in 1..8")
 
+    def launch_options(self) -> dict:
+        """Keyword options for launching a kernel with this config.
+
+        Floating-point contraction is always off. With it on, the compiler fuses a
+        multiply and an add into one FMA in some kernels and not in others (seen on an
+        H200: the same rule code contracted differently in the fused and the oracle
+        kernel, and for different BLOCK_K), which moves bits between paths that must
+        agree. With it off every operation rounds once, as written, on every backend.
+        """
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages, enable_fp_fusion=False)
+
 
 PINNED = TileConfig()
 """The config used when none is given, and the one the exactness tier pins."""

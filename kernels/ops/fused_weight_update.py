@@ -166,7 +166,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     strides = (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1))
     rule_args = dict(RULE=rule.update, VARIANT=rule.variant,
                      HAS_S0=has_slot[0], HAS_S1=has_slot[1], HAS_S2=has_slot[2])
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    launch = config.launch_options()
     tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k)
 
     if oracle:

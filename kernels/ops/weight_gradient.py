@@ -64,7 +64,7 @@ def launch_weight_gradient(x, dy, config: TileConfig) -> torch.Tensor:
     _weight_grad_kernel[grid](x, dy, grad, T, N, K, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
                               UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16,
-                              num_warps=config.num_warps, num_stages=config.num_stages)
+                              **config.launch_options())
     return grad
 
 
