@@ -1,0 +1,85 @@
+"""The fp32 enclosure is sound (every fp32 evaluation lands inside), not vacuous (it
+is narrow), and it catches a planted scalar mistake that bitwise fused==oracle cannot."""
+
+import numpy as np
+import pytest
+import torch
+
+import forge_kernels as fk
+from forge_verify import claims
+from forge_verify.interval import Interval
+from forge_verify.problems import Problem
+from forge_verify.reference import ENCLOSURE, POINT, reference_step
+
+
+def _fp32(rng, n, scale=1.0):
+    return (rng.standard_normal(n) * scale).astype(np.float32)
+
+
+def test_every_fp32_operation_lands_inside():
+    rng = np.random.default_rng(0)
+    a, b, c = _fp32(rng, 10_000), _fp32(rng, 10_000, 1e-3), _fp32(rng, 10_000, 1e3)
+    ia, ib, ic = (Interval.exact(torch.from_numpy(v)) for v in (a, b, c))
+    checks = {
+        "add": (ia + ib, a + b),
+        "sub": (ia - ic, a - c),
+        "mul": (ia * ib, a * b),
+        "div": (ia / ic, a / c),
+        "sqrt": ((ia * ia).sqrt(), np.sqrt(a * a)),
+        # one rounding of a*b + c, as an FMA computes it
+        "fma": (ia * ib + ic, (a.astype(np.float64) * b + c).astype(np.float32)),
+        "chain": ((ia * ib + ic) / (ia * ia).sqrt(), (a * b + c) / np.sqrt(a * a)),
+    }
+    for name, (enclosure, value) in checks.items():
+        assert bool(enclosure.contains(torch.from_numpy(value)).all()), name
+
+
+def test_underflow_lands_inside():
+    tiny = torch.tensor([1e-38, 3e-39, 1e-45], dtype=torch.float32)
+    product = (tiny.numpy() * np.float32(0.37)).astype(np.float32)
+    assert bool((Interval.exact(tiny) * 0.37).contains(torch.from_numpy(product)).all())
+
+
+def test_enclosure_of_an_adamw_step_is_narrow():
+    """Not vacuous: the radius is a few fp32 ulps of the weight plus the step's size (lr)."""
+    gen = torch.Generator().manual_seed(0)
+    w, g = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)
+    rule = fk.AdamW(lr=1e-3)
+    state = {k: ENCLOSURE.value(v) for k, v in rule.init_state(w).items()}
+    w_enc, _ = reference_step(rule, ENCLOSURE.value(w), ENCLOSURE.value(g), state, 1, ENCLOSURE)
+    scale = torch.finfo(torch.float32).eps * (w.abs().double() + rule.lr)
+    assert float((w_enc.radius / scale).max()) < 8
+
+
+@pytest.mark.parametrize("arithmetic", [POINT, ENCLOSURE], ids=lambda a: a.name)
+def test_reference_matches_torch_optim_on_sgd(arithmetic):
+    """The reference is the textbook rule: plain SGD with decay equals torch.optim.SGD in fp64."""
+    gen = torch.Generator().manual_seed(1)
+    w, g = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    rule = fk.SGD(lr=0.1, weight_decay=0.01)
+    p = torch.nn.Parameter(w.clone())
+    p.grad = g.clone()
+    torch.optim.SGD([p], lr=0.1, weight_decay=0.01).step()
+    new_w, _ = reference_step(rule, arithmetic.value(w), arithmetic.value(g), {}, 1, arithmetic)
+    if arithmetic is POINT:
+        assert torch.allclose(new_w, p.detach(), rtol=0, atol=1e-15)
+    else:
+        assert bool(new_w.contains(p.detach()).all())
+
+
+class _BiasCorrectedTwice(fk.AdamW):
+    """A planted mistake in the host scalars: the first bias correction applied twice.
+    Fused and oracle share it, so only the reference can notice."""
+
+    def _host_scalars(self, step):
+        values = list(super()._host_scalars(step))
+        values[5] /= fk.bias_corrections(*self.betas, step)[0]
+        return tuple(values)
+
+
+def test_planted_bias_correction_mistake_leaves_the_enclosure(device, backend):
+    problem = Problem(tokens=40, out_features=24, in_features=16, dtype=torch.float32, steps=2, seed=11)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    claims.within_enclosure(problem, fk.AdamW(**hyper), fk.PINNED, device, backend)
+    with pytest.raises(AssertionError, match="outside the proven enclosure"):
+        claims.within_enclosure(problem, _BiasCorrectedTwice(**hyper), fk.PINNED, device, backend)
