@@ -83,3 +83,14 @@ def test_planted_bias_correction_mistake_leaves_the_enclosure(device, backend):
     claims.within_enclosure(problem, fk.AdamW(**hyper), fk.PINNED, device, backend)
     with pytest.raises(AssertionError, match="outside the proven enclosure"):
         claims.within_enclosure(problem, _BiasCorrectedTwice(**hyper), fk.PINNED, device, backend)
+
+
+def test_torch_optim_distance_is_zero_where_the_operation_order_is_the_same(device):
+    """Plain SGD with a power-of-two learning rate: lr*g is exact, so w - lr*g rounds once
+    whether or not torch fuses it into an FMA: 0 ulp. A measurement that reported a
+    distance here would be feeding torch.optim a different gradient."""
+    from forge_verify.torch_optim import distance_to_torch_optim
+
+    problem = Problem(tokens=50, out_features=20, in_features=30, dtype=torch.float32, steps=3, seed=2)
+    assert int(distance_to_torch_optim(problem, fk.SGD(lr=0.0625), device).max()) == 0
+    assert int(distance_to_torch_optim(problem, fk.AdamW(lr=1e-3), device).max()) < 64
