@@ -192,3 +192,20 @@ def test_empty_weight_is_a_no_op(device):
     rule = fk.AdamW()
     fk.fused_weight_update(torch.randn(3, 7, device=device), torch.randn(3, 0, device=device), w,
                            rule.init_state(w), rule, 1)
+
+
+def _signless_update(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT):
+    return w - h0 * g, s0, s1, s2
+
+
+def test_rule_kernel_built_for_the_other_backend_is_refused(good):
+    """A rule whose @triton.jit ran before forge_kernels chose interpreter or compiler
+    would fail deep inside Triton; it is refused up front instead."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    x, dy, w, _, _ = good
+    wrong = JITFunction(_signless_update) if fk.interpreting() else InterpretedFunction(_signless_update)
+    rule = type("WrongBackendSGD", (fk.SGD,), {"update": wrong})(lr=0.1)
+    with pytest.raises(RuntimeError, match="import forge_kernels before defining kernels"):
+        _call(x, dy, w, {}, rule)

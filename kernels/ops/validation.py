@@ -2,6 +2,7 @@
 that names what was wrong."""
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 from .._backend import interpreting, kernel_device
 from ..errors import NonFiniteInputError
@@ -81,6 +82,11 @@ def check_update_inputs(x, dy, weight, state, rule):
         raise ValueError("weight must be contiguous (it is updated in place)")
     if not hasattr(rule, "slot_layout") or getattr(rule, "update", None) is None:
         raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
+    if isinstance(rule.update, InterpretedFunction) != interpreting():
+        raise RuntimeError(
+            f"{type(rule).__name__}.update was decorated with @triton.jit before forge_kernels chose the "
+            f"{'interpreter' if interpreting() else 'compiler'}: import forge_kernels before defining kernels "
+            "(or set TRITON_INTERPRET yourself before importing triton)")
     rule.check_state(state, weight)
     written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in rule.slots]
     read = [("x", x), ("dy", dy)]

@@ -1,0 +1,38 @@
+"""The README's code is run, so what it shows works."""
+
+import re
+from pathlib import Path
+
+import torch
+
+import forge_kernels as fk
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _python_block(section: str) -> str:
+    text = README.read_text().split(f"## {section}", 1)[1]
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_adding_a_rule_example_runs(device):
+    namespace = {}
+    source = _python_block("Adding a rule").replace("from .base import", "from forge_kernels.rules.base import")
+    exec(compile(source, "README.md", "exec"), namespace)
+    rule = namespace["SignSGD"](lr=0.5)
+    w = torch.zeros(3, 4, device=device)
+    x, dy = torch.randn(5, 4, device=device), torch.randn(5, 3, device=device)
+    fk.fused_weight_update(x, dy, w, rule.init_state(w), rule, 1)
+    assert torch.equal(w, -0.5 * torch.sign(fk.weight_gradient(x, dy)))
+
+
+def test_use_example_runs(device):
+    weight = torch.randn(6, 5, device=device)
+    x, dy = torch.randn(7, 5, device=device), torch.randn(7, 6, device=device)
+    names = {"weight": weight, "x": x, "dy": dy,
+             "model": torch.nn.Sequential(torch.nn.Linear(5, 6)).to(device),
+             "twin": torch.nn.Sequential(torch.nn.Linear(5, 6)).to(device)}
+    before = weight.clone()
+    exec(compile(_python_block("Use"), "README.md", "exec"), names)
+    assert not torch.equal(weight, before)
+    assert isinstance(names["model"][0], fk.ForgeLinear) and names["twin"][0].oracle
