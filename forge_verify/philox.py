@@ -1,0 +1,41 @@
+"""A numpy reference of Philox4x32-10 as Triton's ``tl.randint(seed, counter)`` computes
+it, and of stochastic rounding fp32 -> bf16 on top of it, for bit-exact checks."""
+
+import numpy as np
+import torch
+
+_KEY_A, _KEY_B = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_ROUND_A, _ROUND_B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox_randint(seed: int, counter: np.ndarray, rounds: int = 10) -> np.ndarray:
+    """First output word of Philox4x32 with key (seed lo, seed hi) and counter (c, 0, 0, 0)."""
+    c0 = np.asarray(counter, dtype=np.uint32).copy()
+    c1 = np.zeros_like(c0)
+    c2 = np.zeros_like(c0)
+    c3 = np.zeros_like(c0)
+    k0, k1 = np.uint32(seed & 0xFFFFFFFF), np.uint32((seed >> 32) & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        for _ in range(rounds):
+            prod_b = _ROUND_B * c2.astype(np.uint64)
+            prod_a = _ROUND_A * c0.astype(np.uint64)
+            c0, c1, c2, c3 = ((prod_b >> np.uint64(32)).astype(np.uint32) ^ c1 ^ k0,
+                              (prod_b & _MASK32).astype(np.uint32),
+                              (prod_a >> np.uint64(32)).astype(np.uint32) ^ c3 ^ k1,
+                              (prod_a & _MASK32).astype(np.uint32))
+            k0, k1 = k0 + _KEY_A, k1 + _KEY_B
+    return c0
+
+
+def stochastic_round_reference(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
+    """What ``forge_kernels.stochastic_round`` must return, bit for bit."""
+    bits = x.detach().cpu().contiguous().numpy().view(np.uint32).ravel().astype(np.uint64)
+    counter = (np.arange(bits.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32)
+    noise = (philox_randint(seed, counter) & np.uint32(0xFFFF)).astype(np.uint64)
+    rounded = ((bits + noise) & np.uint64(0xFFFF0000)).astype(np.uint32)
+    is_nan = np.isnan(x.detach().cpu().contiguous().numpy().ravel())
+    quiet_nan = (bits.astype(np.uint32) & np.uint32(0x80000000)) | np.uint32(0x7FC00000)
+    rounded = np.where(is_nan, quiet_nan, rounded)
+    halves = (rounded >> np.uint32(16)).astype(np.uint16)
+    return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16).reshape(x.shape)

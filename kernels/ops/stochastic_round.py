@@ -1,0 +1,77 @@
+"""Stochastic rounding fp32 -> bf16, counter-based.
+
+The random bits for element ``i`` are Philox4x32-10 (Triton's ``tl.randint``) keyed on
+``seed`` with counter ``offset + i``: a pure function of (seed, global index, value),
+so results do not depend on tiles, launch order, autotuning or sharding. Sixteen
+random bits are added below the bf16 cut and the low half truncated, so an fp32 value
+whose low 16 bits are ``f`` rounds away from zero with probability exactly
+``f / 2**16``: unbiased in distribution (proofs/stochastic_rounding.md).
+
+Special values: NaN stays NaN (sign kept, quiet, canonical payload: adding noise to a
+NaN whose payload sits in the low bits could otherwise produce an infinity); ±inf
+stays ±inf; ±0 stays ±0. A finite value beyond the largest bf16 (above 0x7F7F0000 in
+magnitude) rounds to ±inf with probability equal to its fraction of the way there, as
+if infinity were the next representable value; round-to-nearest does the same for
+values past the midpoint.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import kernel_device
+
+# Counters are 32-bit: Philox is called with one 32-bit counter word, which Triton
+# versions treat alike (wider offsets are split differently across versions).
+MAX_COUNTER = 2**32
+
+
+@triton.jit
+def sr_bf16(x, seed, counter):
+    """fp32 tile -> bf16 tile, rounded stochastically with Philox bits at ``counter`` (uint32)."""
+    noise = tl.randint(seed, counter) & 0xFFFF
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + noise) & 0xFFFF0000
+    quiet_nan = (bits & 0x80000000) | 0x7FC00000
+    rounded = tl.where(x != x, quiet_nan, rounded)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["seed", "offset"])
+def _stochastic_round_kernel(x_ptr, out_ptr, n, seed, offset, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.load(x_ptr + i, mask=mask, other=0.0)
+    counter = (i + offset).to(tl.uint32)
+    tl.store(out_ptr + i, sr_bf16(x, seed, counter), mask=mask)
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def stochastic_round(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16 stochastically; element ``i`` (flat, row-major) uses the
+    random bits at counter ``offset + i`` of the stream ``seed``.
+
+    Two calls with the same (seed, offset) and the same values give the same bits; a
+    sharded call passing each shard's global offset gives the bits of the whole.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round rounds float32 tensors, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.device.type != kernel_device().type:
+        raise ValueError(f"x is on {x.device}; kernels run on {kernel_device().type}")
+    seed = check_seed(seed)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
+    if offset + x.numel() > MAX_COUNTER:
+        raise ValueError(f"offset + numel = {offset + x.numel()} exceeds the 2**32 counters of one stream")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if x.numel():
+        block = 1024
+        _stochastic_round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), seed, offset, BLOCK=block)
+    return out

@@ -1,0 +1,134 @@
+"""Stochastic rounding fp32 -> bf16: bit-exact against the Philox reference, exactly
+unbiased per value (binomial frequencies against the exact probability), no stagnation,
+independent across neighbouring elements and successive streams, and defined on every
+special value.
+
+Statistical thresholds are derived in advance (proofs/stochastic_rounding.md) from
+Hoeffding's and Azuma's inequalities for a false-alarm probability below 1e-8 per
+test; seeds are fixed, so each run is deterministic.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import forge_kernels as fk
+from forge_verify.bits import assert_bitwise_equal
+from forge_verify.philox import stochastic_round_reference
+from forge_verify.stats import azuma_radius, hoeffding_radius
+
+
+def _fp32_from_bits(bits) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
+
+
+def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+
+
+@pytest.mark.exactness
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300),
+       seed=st.integers(0, 2**63 - 1), offset=st.integers(0, 2**31))
+def test_matches_philox_reference_bit_for_bit(bits, seed, offset, device):
+    x = _fp32_from_bits(bits)
+    assert_bitwise_equal(fk.stochastic_round(x.to(device), seed, offset).cpu(),
+                         stochastic_round_reference(x, seed, offset), "stochastic_round")
+
+
+@pytest.mark.exactness
+def test_every_bf16_value_is_kept_and_every_midpoint_goes_to_a_neighbour(device):
+    """Exhaustive over the 65,536 bf16 patterns: a value already in bf16 comes back
+    unchanged (NaNs as the quiet NaN of the same sign); a value half-way to the next
+    pattern comes back as one of its two neighbours."""
+    patterns = np.arange(2**16, dtype=np.uint32)
+    exact = _fp32_from_bits(patterns << 16)
+    out = _bf16_bits(fk.stochastic_round(exact.to(device), seed=3))
+    is_nan = torch.isnan(exact).numpy()
+    expected = np.where(is_nan, (patterns & 0x8000) | 0x7FC0, patterns)
+    assert np.array_equal(out, expected)
+
+    finite = ~is_nan & (((patterns >> 7) & 0xFF) != 0xFF)
+    halfway = _fp32_from_bits((patterns << 16) | 0x8000)
+    out = _bf16_bits(fk.stochastic_round(halfway.to(device), seed=4))
+    assert np.all(((out == patterns) | (out == patterns + 1))[finite])
+    # Both neighbours occur: each is taken with probability exactly 1/2.
+    up = np.mean((out == patterns + 1)[finite])
+    assert abs(up - 0.5) <= hoeffding_radius(int(finite.sum()), 1e-9)
+
+
+@pytest.mark.stats
+def test_round_up_frequency_matches_exact_probability(device):
+    """For 64 values with known discarded fractions f / 2**16, the share of 2**16
+    samples rounded away from zero is within a Hoeffding radius of f / 2**16."""
+    rng = np.random.default_rng(0)
+    fractions = np.concatenate([[1, 2**15, 2**16 - 1], rng.integers(0, 2**16, 61)]).astype(np.uint32)
+    heads = rng.integers(0, 2**16, fractions.size).astype(np.uint32) & 0x7F7F  # finite, either sign
+    samples = 2**16
+    values = _fp32_from_bits(np.repeat((heads << 16) | fractions, samples))
+    out = _bf16_bits(fk.stochastic_round(values.to(device), seed=11)).reshape(fractions.size, samples)
+    up = (out == (heads + 1)[:, None]).mean(axis=1)
+    stay = (out == heads[:, None]).mean(axis=1)
+    assert np.all(up + stay == 1.0)
+    radius = hoeffding_radius(samples, 1e-9 / fractions.size)
+    worst = np.abs(up - fractions / 2**16).max()
+    assert worst <= radius, f"largest deviation {worst:.5f} exceeds the Hoeffding radius {radius:.5f}"
+
+
+@pytest.mark.stats
+def test_no_stagnation(device):
+    """Add 1e-3 to 1.0 a thousand times, storing bf16 each time: round-to-nearest never
+    moves (1e-3 is under half an ulp of 1.0); stochastic rounding averages 2.0 over 4,096
+    chains. Each step moves a chain by less than one bf16 ulp below 4 (2**-6) from its
+    expectation, so the mean is a martingale with differences at most 2**-6 / chains:
+    Azuma's radius (false alarm 1e-9), plus 2e-4 for the fp32 additions' rounding
+    (1000 steps of at most 2**-23 each, and 1e-3 itself rounded to fp32)."""
+    chains, steps = 4096, 1000
+    nearest = torch.ones(chains, dtype=torch.bfloat16)
+    stochastic = torch.ones(chains, dtype=torch.bfloat16, device=device)
+    for step in range(steps):
+        nearest = (nearest.float() + 1e-3).bfloat16()
+        stochastic = fk.stochastic_round(stochastic.float() + 1e-3, seed=1234, offset=step * chains)
+    assert torch.all(nearest == 1.0)
+    mean = stochastic.float().mean().item()
+    radius = azuma_radius(steps * chains * (2.0**-6 / chains) ** 2, 1e-9) + 2e-4
+    assert abs(mean - 2.0) <= radius, (mean, radius)
+
+
+@pytest.mark.stats
+def test_neighbours_and_successive_streams_are_uncorrelated(device):
+    """Up-rounding indicators of a value with probability 1/2: over disjoint pairs, the
+    share of pairs rounded up together is 1/4 within a Hoeffding radius, for adjacent
+    elements and for the same element under successive seeds (as successive steps use)."""
+    n = 2**16
+    half = _fp32_from_bits(np.full(n, (0x3F80 << 16) | 0x8000, dtype=np.uint32)).to(device)
+    first = _bf16_bits(fk.stochastic_round(half, seed=99)) == 0x3F81
+    second = _bf16_bits(fk.stochastic_round(half, seed=100)) == 0x3F81
+    radius = hoeffding_radius(n // 2, 1e-9)
+    together_adjacent = np.mean(first[0::2] & first[1::2])
+    together_successive = np.mean(first[0::2] & second[0::2])
+    assert abs(together_adjacent - 0.25) <= radius
+    assert abs(together_successive - 0.25) <= radius
+    assert abs(first.mean() - 0.5) <= hoeffding_radius(n, 1e-9)
+
+
+@pytest.mark.exactness
+def test_sharded_calls_reproduce_the_whole(device):
+    """Each shard passing its global offset gets the bits of the unsharded call."""
+    x = torch.randn(4, 1000).to(device)
+    whole = fk.stochastic_round(x, seed=5)
+    for row in range(4):
+        assert_bitwise_equal(fk.stochastic_round(x[row], seed=5, offset=row * 1000), whole[row], f"shard {row}")
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(seed=-1), "seed must be an integer"), (dict(seed=2**63), "seed must be an integer"),
+    (dict(seed=1.5), "seed must be an integer"), (dict(seed=1, offset=-2), "offset must be"),
+    (dict(seed=1, offset=2**32), "exceeds the 2\\*\\*32 counters"),
+])
+def test_bad_arguments_are_refused(bad, error, device):
+    with pytest.raises(ValueError, match=error):
+        fk.stochastic_round(torch.ones(3, device=device), **bad)
+    with pytest.raises(TypeError, match="rounds float32"):
+        fk.stochastic_round(torch.ones(3, dtype=torch.float64), seed=1)
