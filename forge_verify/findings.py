@@ -5,7 +5,7 @@ BLOCK_T_CHANGES_BITS[(backend, activation dtype)]: whether two configs that diff
 only in BLOCK_T give different gradient bits on a 512-token problem
 (properties/test_tile_invariance.py::test_block_t_finding). Where it is True, only
 configs with equal BLOCK_T are exactness-equivalent; BLOCK_N and BLOCK_K never
-matter (test_bits_do_not_depend_on_block_n_or_block_k).
+matter (test_exactness_equivalent_configs_give_same_bits).
 """
 
 import torch

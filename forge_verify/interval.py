@@ -48,8 +48,10 @@ class Interval:
 
     @classmethod
     def around(cls, center, radius):
+        """[center - radius, center + radius], rounded outward (exact where radius is 0)."""
         c, r = _as_tensor(center).to(_F64), _as_tensor(radius).to(_F64)
-        return cls(_down(c - r), _up(c + r))
+        exact = r == 0
+        return cls(torch.where(exact, c, _down(c - r)), torch.where(exact, c, _up(c + r)))
 
     @classmethod
     def host_scalar(cls, value: float):
@@ -60,10 +62,13 @@ class Interval:
 
     @staticmethod
     def _fp32_op(lo, hi):
-        lo, hi = _down(lo), _up(hi)
-        lo = _down(lo - (_OP_UNIT * lo.abs() + FP32_UNDERFLOW))
-        hi = _up(hi + (_OP_UNIT * hi.abs() + FP32_UNDERFLOW))
-        return Interval(lo, hi)
+        # Rounding is monotone and maps 0 to 0, and a float64 result has the sign of the
+        # exact one, so an endpoint never needs to be widened across zero: an exact zero
+        # stays exact (Lion's sign of a zero gradient must not become "either sign").
+        wide_lo = _down(_down(lo) - (_OP_UNIT * lo.abs() + FP32_UNDERFLOW))
+        wide_hi = _up(_up(hi) + (_OP_UNIT * hi.abs() + FP32_UNDERFLOW))
+        return Interval(torch.where(lo >= 0, wide_lo.clamp_min(0), wide_lo),
+                        torch.where(hi <= 0, wide_hi.clamp_max(0), wide_hi))
 
     @staticmethod
     def _wrap(other):

@@ -17,11 +17,14 @@ class Problem:
     steps: int
     seed: int
     scale: float = 1.0
+    #: zero every third input feature of x and every fifth output of dy, as ReLU or
+    #: padding do: whole rows and columns of dW are then exactly 0
+    sparse: bool = False
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         return (f"T={self.tokens} N={self.out_features} K={self.in_features} {dtype} "
-                f"steps={self.steps} seed={self.seed} scale={self.scale:g}")
+                f"steps={self.steps} seed={self.seed} scale={self.scale:g}{' sparse' if self.sparse else ''}")
 
 
 @dataclass
@@ -39,6 +42,9 @@ def make_inputs(problem: Problem, device) -> Inputs:
     for _ in range(problem.steps):
         x = (torch.randn(T, K, generator=gen) * problem.scale).to(problem.dtype)
         dy = torch.randn(T, N, generator=gen).to(problem.dtype)
+        if problem.sparse:
+            x[:, ::3] = 0
+            dy[:, ::5] = 0
         batches.append((x.to(device), dy.to(device)))
     return Inputs(weight.to(device), batches)
 

@@ -153,5 +153,7 @@ def weight_grad_enclosure(x: torch.Tensor, dy: torch.Tensor, backend: str) -> In
     abs_sum = dyd.abs().T @ xd.abs()
     g64 = gamma(max(T, 1), UNIT_ROUNDOFF[torch.float64])
     rtol = accumulation_rtol(backend, x.dtype, T) + g64
-    radius = rtol * abs_sum * (1 + g64) + T * 2.0**-126
+    # A zero sum of absolute products means every product is exactly 0: so is the sum.
+    # The (1 + 4 u64) factor rounds the float64 evaluation of the radius itself upward.
+    radius = torch.where(abs_sum == 0, 0.0, (rtol * abs_sum * (1 + g64) + T * 2.0**-126) * (1 + 4 * 2.0**-53))
     return Interval.around(center, radius)

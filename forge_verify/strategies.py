@@ -36,7 +36,7 @@ def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYP
     return st.builds(Problem, tokens=tokens, out_features=sizes(max_features),
                      in_features=sizes(max_features), dtype=st.sampled_from(dtypes),
                      steps=st.integers(1, max_steps), seed=st.integers(0, 2**31 - 1),
-                     scale=st.sampled_from((1e-3, 1.0, 30.0)))
+                     scale=st.sampled_from((1e-3, 1.0, 30.0)), sparse=st.booleans())
 
 
 _lr = st.floats(1e-5, 0.1)

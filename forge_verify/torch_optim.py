@@ -34,10 +34,6 @@ MEASURED_RULES = {
 }
 
 
-def has_torch_counterpart(rule) -> bool:
-    return type(rule) in _FACTORIES
-
-
 def _run_torch_optim(problem: Problem, rule, device, config=None):
     """(fused weight, torch.optim weight): torch.optim's single-tensor path stepping on the
     kernel's own gradient (``fk.weight_gradient``, same config)."""

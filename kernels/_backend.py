@@ -6,6 +6,7 @@ Triton reads ``TRITON_INTERPRET`` when a function is decorated, not when it runs
 A user who sets ``TRITON_INTERPRET`` themselves keeps their choice.
 """
 
+import contextlib
 import os
 
 import torch
@@ -22,3 +23,9 @@ def interpreting() -> bool:
 def kernel_device() -> torch.device:
     """The device on which kernel inputs must live."""
     return torch.device("cpu") if interpreting() else torch.device("cuda")
+
+
+def on_device(device: torch.device):
+    """Make ``device`` current for a launch: Triton launches on the current CUDA device,
+    so tensors on another GPU would otherwise fail deep inside Triton."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TileConfig
+from .errors import NonFiniteUpdateError
 from .ops.fused_weight_update import fused_weight_update
 from .rules.base import Rule
 
@@ -32,11 +33,14 @@ class _PendingUse:
 class ForgeLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, use):
-        ctx.save_for_backward(x, weight)
+        y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        # Under autocast y (and so dY) can differ in dtype from x: keep x as the matmul
+        # saw it, so the kernel gets activations and output gradients of one dtype.
+        ctx.save_for_backward(x.to(y.dtype), weight)
         ctx.layer = layer
         ctx.use = use
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -92,6 +96,10 @@ class ForgeLinear(nn.Linear):
         self.rule, self.oracle, self.config = rule, bool(oracle), config
         self.forge_name = name or "ForgeLinear"
         self._pending = weakref.WeakSet()
+        self._failed_step = None
+        # The fused path returns no weight gradient; any gradient that reaches the weight
+        # comes from a use outside this layer and would be a second, unfused step.
+        self.weight.register_hook(self._refuse_outside_gradient)
         for slot, tensor in rule.init_state(self.weight.detach()).items():
             self.register_buffer(_STATE_PREFIX + slot, tensor)
         self.register_buffer("forge_step", torch.zeros((), dtype=torch.int64, device=self.weight.device))
@@ -114,15 +122,40 @@ class ForgeLinear(nn.Linear):
         self._pending.add(use)
         return ForgeLinearFunction.apply(x, self.weight, self.bias, self, use)
 
+    def _refuse_outside_gradient(self, grad):
+        # The layer's own backward reports "no gradient" (None) to this hook.
+        if grad is None:
+            return None
+        raise RuntimeError(f"the weight of fused layer {self.forge_name!r} received a gradient from a use "
+                           "outside the layer; a fused weight takes exactly one gradient per step, through "
+                           "its own backward")
+
     def _apply_step(self, x2d, dy2d):
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"fused layer {self.forge_name!r} stopped at step {self._failed_step}: some of its tiles were "
+                "left unstepped after a non-finite update, so its weight and state are at mixed steps. Restore "
+                "a checkpoint, or call forge_accept_partial_step() to go on from here")
         step = int(self.forge_step) + 1
-        with torch.no_grad():
-            fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, self.rule, step,
-                                oracle=self.oracle, config=self.config)
+        try:
+            with torch.no_grad():
+                fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, self.rule, step,
+                                    oracle=self.oracle, config=self.config)
+        except NonFiniteUpdateError:
+            self._failed_step = step
+            raise
         self.forge_step.fill_(step)
         # The kernel writes the weight's memory directly; bump its version so autograd
         # refuses any graph that saved the old values.
         torch.autograd.graph.increment_version(self.weight)
+
+    def forge_accept_partial_step(self):
+        """Go on after a NonFiniteUpdateError: the step that partly failed counts as taken
+        (the tiles that stepped are at it; the skipped tiles keep their previous values)."""
+        if self._failed_step is None:
+            raise RuntimeError(f"fused layer {self.forge_name!r} has no failed step to accept")
+        self.forge_step.fill_(self._failed_step)
+        self._failed_step = None
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rule={self.rule!r}, oracle={self.oracle}"

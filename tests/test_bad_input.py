@@ -25,7 +25,7 @@ def _call(x, dy, w, state, rule, step=1, **kw):
     ("x_fp16", TypeError, "activations must be float32 or bfloat16"),
     ("x_int", TypeError, "activations must be float32 or bfloat16"),
     ("dy_dtype", TypeError, "dy is torch.bfloat16 but x is torch.float32"),
-    ("weight_bf16", TypeError, "fp32 regime updates float32 weights"),
+    ("weight_fp16", TypeError, "weights must be float32 or bfloat16"),
     ("tokens", ValueError, "x has 20 tokens (rows) but dy has 19"),
     ("in_features", ValueError, "but x has 11 input features"),
     ("out_features", ValueError, "but dy has 9 output features"),
@@ -43,8 +43,8 @@ def test_bad_tensors_are_refused(good, case, error, message):
         x, dy = x.int(), dy.int()
     elif case == "dy_dtype":
         dy = dy.bfloat16()
-    elif case == "weight_bf16":
-        w = w.bfloat16()
+    elif case == "weight_fp16":
+        w = w.half()
     elif case == "tokens":
         dy = dy[:19]
     elif case == "in_features":
@@ -62,7 +62,7 @@ def test_bad_tensors_are_refused(good, case, error, message):
     before = w.clone()
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         _call(x, dy, w, state, rule)
-    if case not in ("weight_bf16", "weight_strided"):
+    if case not in ("weight_fp16", "weight_strided"):
         assert torch.equal(w, before)
 
 
@@ -73,7 +73,8 @@ def test_state_from_another_rule_is_refused(good):
 
 
 @pytest.mark.parametrize("problem, message", [
-    ("dtype", "the fp32 regime keeps fp32 state"),
+    ("dtype", "state is stored as float32 or bfloat16"),
+    ("mixed", "state slots mix dtypes"),
     ("shape", "has shape"),
     ("not_dict", "state must be a dict"),
     ("strided", "must be contiguous"),
@@ -82,6 +83,8 @@ def test_malformed_state_is_refused(good, problem, message):
     x, dy, w, state, rule = good
     if problem == "dtype":
         state["exp_avg"] = state["exp_avg"].double()
+    elif problem == "mixed":
+        state["exp_avg_sq"] = state["exp_avg_sq"].bfloat16()
     elif problem == "shape":
         state["exp_avg"] = state["exp_avg"][:5]
     elif problem == "not_dict":
@@ -111,6 +114,16 @@ def test_bad_step_is_refused(good, step):
     x, dy, w, state, rule = good
     with pytest.raises(ValueError, match="step must be an integer >= 1"):
         _call(x, dy, w, state, rule, step)
+
+
+def test_bad_rounding_seed_and_state_format_are_refused(good):
+    x, dy, w, state, rule = good
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        _call(x, dy, w, state, rule, rounding="up")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        _call(x, dy, w, state, rule, seed=-3)
+    with pytest.raises(ValueError, match="state_format must be one of"):
+        rule.init_state(w, state_format="fp8")
 
 
 def test_bad_config_and_rule_are_refused(good):

@@ -154,3 +154,41 @@ def test_bf16_activations_update_fp32_weights(device):
     before = model[0].weight.detach().clone()
     _train(model, _batches(device, n=1, dtype=torch.bfloat16))
     assert model[0].weight.dtype == torch.float32 and not torch.equal(model[0].weight, before)
+
+
+def test_weight_used_outside_its_layer_is_refused(device):
+    layer = fk.ForgeLinear(6, 6, bias=False, rule=fk.SGD(lr=0.1), device=device)
+    x = torch.randn(3, 6, device=device)
+    out = layer(x).sum() + (x @ layer.weight.T).sum()
+    with pytest.raises(RuntimeError, match="received a gradient from a use outside the layer"):
+        out.backward()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_layer_stops_after_a_partial_step_until_told_to_go_on(device):
+    layer = fk.ForgeLinear(40, 40, bias=False, rule=fk.SGD(lr=0.1, momentum=0.9), device=device,
+                           config=fk.TileConfig(block_n=16, block_k=16, block_t=16))
+    x = torch.ones(4, 40, device=device)
+    x[:, 20] = 1e20
+    dy = torch.ones(4, 40, device=device)
+    dy[:, 5] = 1e20
+    with pytest.raises(fk.NonFiniteUpdateError):
+        layer(x).backward(dy)
+    assert int(layer.forge_step) == 0
+    with pytest.raises(RuntimeError, match="stopped at step 1"):
+        layer(torch.ones(4, 40, device=device)).backward(torch.ones(4, 40, device=device))
+    layer.forge_accept_partial_step()
+    assert int(layer.forge_step) == 1
+    layer(torch.ones(4, 40, device=device)).backward(torch.ones(4, 40, device=device))
+    assert int(layer.forge_step) == 2
+
+
+def test_autocast_bf16_training_steps_every_layer(device):
+    """Under autocast the saved input is cast like the output, so x and dY share a dtype."""
+    model = fk.fuse(_mlp(0, device), fk.AdamW(lr=1e-2))
+    before = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 12, device=device)).float().square().mean()
+    loss.backward()
+    assert int(model[0].forge_step) == 1 and int(model[2].forge_step) == 1
+    assert not torch.equal(model[0].weight, before[0]) and not torch.equal(model[2].weight, before[1])

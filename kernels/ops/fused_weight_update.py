@@ -12,10 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting
+from .._backend import interpreting, on_device
 from ..config import PINNED, TileConfig
 from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
+from .stochastic_round import check_seed, sr_bf16, stream_seed
 from .validation import check_finite_inputs, check_update_inputs
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
@@ -29,37 +30,56 @@ def _is_finite(v):
 
 
 @triton.jit
-def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
-                   h0, h1, h2, h3, h4, h5, h6, h7,
-                   RULE: tl.constexpr, VARIANT: tl.constexpr,
-                   HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr):
-    """Apply RULE to one tile and store it, unless anything in the tile is non-finite.
+def _to_storage(v, seed, counter, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The value to store for fp32 ``v``: itself, or bf16 by stochastic or nearest rounding."""
+    if TO_BF16:
+        if STOCHASTIC:
+            return sr_bf16(v, seed, counter)
+        return v.to(tl.bfloat16)
+    return v
 
-    A tile whose gradient, new weight or new state holds a NaN or infinity is not
-    stored at all (weight and state keep their old values); its count of bad
-    elements goes to ``flag_ptr[tile_id]`` so the launcher can raise.
+
+@triton.jit
+def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+                   h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
+                   RULE: tl.constexpr, VARIANT: tl.constexpr,
+                   HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+                   W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Apply RULE to one tile in fp32, round to the storage dtypes, and store, unless
+    anything in the tile is non-finite.
+
+    bf16 stores round stochastically (one Philox stream per output, keyed on the
+    element's index in the weight) or to nearest. A tile whose gradient or stored
+    weight or state would hold a NaN or infinity is not stored at all (weight and state
+    keep their old values); its count of bad elements goes to ``flag_ptr[tile_id]`` so
+    the launcher can raise.
     """
     mask = mask_n[:, None] & mask_k[None, :]
     idx = offs_n[:, None] * K + offs_k[None, :]
-    w = tl.load(w_ptr + idx, mask=mask, other=0.0)
+    counter = idx.to(tl.uint32)
+    w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     zeros = tl.zeros_like(w)
     s0 = zeros
     s1 = zeros
     s2 = zeros
     if HAS_S0:
-        s0 = tl.load(s0_ptr + idx, mask=mask, other=0.0)
+        s0 = tl.load(s0_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     if HAS_S1:
-        s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+        s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     if HAS_S2:
-        s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+        s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
-    finite = _is_finite(g) & _is_finite(w)
+    w = _to_storage(w, seed_w, counter, W_BF16, STOCHASTIC)
+    s0 = _to_storage(s0, seed_s0, counter, S_BF16, STOCHASTIC)
+    s1 = _to_storage(s1, seed_s1, counter, S_BF16, STOCHASTIC)
+    s2 = _to_storage(s2, seed_s2, counter, S_BF16, STOCHASTIC)
+    finite = _is_finite(g) & _is_finite(w.to(tl.float32))
     if HAS_S0:
-        finite = finite & _is_finite(s0)
+        finite = finite & _is_finite(s0.to(tl.float32))
     if HAS_S1:
-        finite = finite & _is_finite(s1)
+        finite = finite & _is_finite(s1.to(tl.float32))
     if HAS_S2:
-        finite = finite & _is_finite(s2)
+        finite = finite & _is_finite(s2.to(tl.float32))
     num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
     keep = mask & ((idx * 0 + num_bad) == 0)
@@ -73,12 +93,13 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, 
     tl.store(flag_ptr + tile_id, num_bad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
 def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, T, N, K,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn,
-                                h0, h1, h2, h3, h4, h5, h6, h7,
+                                h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+                                W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 UPCAST_OPERANDS: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -91,14 +112,16 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, fl
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
-                   h0, h1, h2, h3, h4, h5, h6, h7, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2)
+                   h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
+                   RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
 def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, N, K,
-                       h0, h1, h2, h3, h4, h5, h6, h7,
+                       h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+                       W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
@@ -110,7 +133,8 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, N, K,
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
-                   h0, h1, h2, h3, h4, h5, h6, h7, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2)
+                   h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
+                   RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC)
 
 
 def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: int):
@@ -129,14 +153,25 @@ def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: 
         "the other tiles took the step.", tiles)
 
 
-def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None):
+ROUNDINGS = ("stochastic", "nearest")
+
+
+def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
+                        rounding=None, seed=0):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
-    x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``step``
-    is the 1-based step number the rule's scalars (bias corrections, first-step
-    momentum) are computed for. ``oracle=True`` materializes dW with the same tile
-    loop and applies the same rule in a second kernel (the exactness reference).
-    ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``.
+    x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
+    is float32 or bfloat16 (no master copy); the state is float32 or bfloat16 as made
+    by ``rule.init_state(weight, state_format=...)``. The rule always computes in fp32;
+    bf16 stores round ``"stochastic"`` (the default) or ``"nearest"``; float32 stores
+    are exact and ignore ``rounding``. Stochastic rounding draws from Philox streams
+    keyed on (``seed``, ``step``, which output, element index in the weight), so the
+    same call gives the same bits and successive steps are independent.
+
+    ``step`` is the 1-based step number the rule's scalars (bias corrections,
+    first-step momentum) are computed for. ``oracle=True`` materializes dW with the
+    same tile loop and applies the same epilogue in a second kernel (the exactness
+    reference). ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``.
 
     Non-finite values: NaN/inf in x or dy raise ``NonFiniteInputError`` before
     anything is written. A tile whose gradient or result is non-finite (overflow)
@@ -147,10 +182,13 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     config = PINNED if config is None else config
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(config).__name__}")
+    rounding = "stochastic" if rounding is None else rounding
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    seed = check_seed(seed)
     check_update_inputs(x, dy, weight, state, rule)
     scalars = rule.scalars(step)
-    T, K = x.shape
-    N = weight.shape[0]
+    N, K = weight.shape
     if N == 0 or K == 0:
         return
     check_finite_inputs(x, dy)
@@ -162,19 +200,30 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     has_slot = [name is not None for name in layout]
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=weight.device)
+    state_bf16 = any(state[name].dtype == torch.bfloat16 for name in rule.slots)
+    rule_args = dict(RULE=rule.update, VARIANT=rule.variant,
+                     HAS_S0=has_slot[0], HAS_S1=has_slot[1], HAS_S2=has_slot[2],
+                     W_BF16=weight.dtype == torch.bfloat16, S_BF16=state_bf16, STOCHASTIC=rounding == "stochastic")
+    # One independent stream per output (weight, s0, s1, s2) and step.
+    seeds = [stream_seed(seed, step, output) for output in range(1 + NUM_SLOTS)]
+
+    with on_device(weight.device):
+        _launch(oracle, x, dy, weight, slot_tensors, flags, grid, config, scalars, seeds, rule_args)
+    _raise_if_flagged(flags, grid, config, N, K)
+
+
+def _launch(oracle, x, dy, weight, slot_tensors, flags, grid, config, scalars, seeds, rule_args):
+    T, K = x.shape
+    N = weight.shape[0]
     upcast = interpreting() and x.dtype == torch.bfloat16
     strides = (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1))
-    rule_args = dict(RULE=rule.update, VARIANT=rule.variant,
-                     HAS_S0=has_slot[0], HAS_S1=has_slot[1], HAS_S2=has_slot[2])
     launch = config.launch_options()
     tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-
     if oracle:
         grad = launch_weight_gradient(x, dy, config)
-        _apply_rule_kernel[grid](grad, weight, *slot_tensors, flags, N, K, *scalars,
+        _apply_rule_kernel[grid](grad, weight, *slot_tensors, flags, N, K, *scalars, *seeds,
                                  **rule_args, **tiles, **launch)
     else:
         _fused_weight_update_kernel[grid](x, dy, weight, *slot_tensors, flags, T, N, K, *strides, *scalars,
-                                          **rule_args, **tiles, BLOCK_T=config.block_t,
+                                          *seeds, **rule_args, **tiles, BLOCK_T=config.block_t,
                                           UPCAST_OPERANDS=upcast, **launch)
-    _raise_if_flagged(flags, grid, config, N, K)

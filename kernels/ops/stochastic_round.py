@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import kernel_device
+from .._backend import kernel_device, on_device
 
 # Counters are 32-bit: Philox is called with one 32-bit counter word, which Triton
 # versions treat alike (wider offsets are split differently across versions).
@@ -44,6 +44,22 @@ def _stochastic_round_kernel(x_ptr, out_ptr, n, seed, offset, BLOCK: tl.constexp
     x = tl.load(x_ptr + i, mask=mask, other=0.0)
     counter = (i + offset).to(tl.uint32)
     tl.store(out_ptr + i, sr_bf16(x, seed, counter), mask=mask)
+
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def stream_seed(seed: int, step: int, output: int) -> int:
+    """The Philox key for one output (0: weight, 1-3: state slots) of one step: the
+    user's seed, the step and the output mixed by SplitMix64, kept below 2**63."""
+    return _splitmix64(_splitmix64(seed) ^ (step * 4 + output)) >> 1
 
 
 def check_seed(seed) -> int:
@@ -73,5 +89,6 @@ def stochastic_round(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tenso
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if x.numel():
         block = 1024
-        _stochastic_round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), seed, offset, BLOCK=block)
+        with on_device(x.device):
+            _stochastic_round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), seed, offset, BLOCK=block)
     return out

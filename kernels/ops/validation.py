@@ -8,6 +8,7 @@ from .._backend import interpreting, kernel_device
 from ..errors import NonFiniteInputError
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+STORAGE_DTYPES = (torch.float32, torch.bfloat16)
 # Kernel offsets are 32-bit element indices.
 MAX_ELEMENTS = 2**31 - 1
 
@@ -35,9 +36,10 @@ def _check_tensor(name, t, ndim):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if t.numel() > MAX_ELEMENTS:
-        raise ValueError(f"{name} has {t.numel()} elements; the kernel indexes with 32-bit "
-                         f"offsets and takes at most {MAX_ELEMENTS}")
+    reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+    if t.numel() > MAX_ELEMENTS or reach > MAX_ELEMENTS:
+        raise ValueError(f"{name} has {t.numel()} elements and its strides reach {reach} elements past its "
+                         f"start; the kernel indexes with 32-bit offsets and reaches at most {MAX_ELEMENTS}")
 
 
 def _check_device(name, t):
@@ -67,8 +69,8 @@ def check_update_inputs(x, dy, weight, state, rule):
     """Validate the arguments of ``fused_weight_update``; raise on the first problem."""
     check_activations(x, dy)
     _check_tensor("weight", weight, 2)
-    if weight.dtype != torch.float32:
-        raise TypeError(f"weight is {weight.dtype}; the fp32 regime updates float32 weights")
+    if weight.dtype not in STORAGE_DTYPES:
+        raise TypeError(f"weight is {weight.dtype}; weights must be float32 or bfloat16")
     K = x.shape[1]
     N = weight.shape[0]
     if weight.shape[1] != K:

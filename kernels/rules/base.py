@@ -28,6 +28,7 @@ import torch
 
 NUM_SLOTS = 3
 NUM_SCALARS = 8
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
@@ -98,13 +99,21 @@ class Rule:
             raise AssertionError(f"{type(self).__name__} produced {len(values)} scalars, "
                                  f"the kernel takes {NUM_SCALARS}")
         padded = values + (0.0,) * (NUM_SCALARS - len(values))
-        return tuple(float(np.float32(v)) for v in padded)
+        rounded = tuple(float(np.float32(v)) for v in padded)
+        for value, kernel_value in zip(padded, rounded):
+            if not math.isfinite(kernel_value) or (value != 0 and kernel_value == 0):
+                raise ValueError(f"{self!r} at step {step}: the kernel scalar {value!r} is not representable "
+                                 f"in float32 (it becomes {kernel_value!r})")
+        return rounded
 
-    def init_state(self, weight: torch.Tensor) -> dict:
-        """Fresh optimizer state for ``weight``: one fp32 tensor per slot, like torch.optim's."""
+    def init_state(self, weight: torch.Tensor, state_format: str = "fp32") -> dict:
+        """Fresh optimizer state for ``weight``: one tensor per slot, like torch.optim's,
+        stored as ``state_format`` ("fp32" or "bf16"; the rule computes in fp32 either way)."""
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"init_state expects the weight tensor, got {type(weight).__name__}")
-        return {name: torch.full_like(weight, self.initial_value(name), dtype=torch.float32,
+        if state_format not in STATE_FORMATS:
+            raise ValueError(f"state_format must be one of {tuple(STATE_FORMATS)}, got {state_format!r}")
+        return {name: torch.full_like(weight, self.initial_value(name), dtype=STATE_FORMATS[state_format],
                                       memory_format=torch.contiguous_format)
                 for name in self.slots}
 
@@ -125,8 +134,11 @@ class Rule:
             tensor = state[name]
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"state[{name!r}] must be a tensor, got {type(tensor).__name__}")
-            if tensor.dtype != torch.float32:
-                raise TypeError(f"state[{name!r}] is {tensor.dtype}; the fp32 regime keeps fp32 state")
+            if tensor.dtype not in STATE_FORMATS.values():
+                raise TypeError(f"state[{name!r}] is {tensor.dtype}; state is stored as float32 or bfloat16")
+            if tensor.dtype != state[self.slots[0]].dtype:
+                raise TypeError(f"state slots mix dtypes ({state[self.slots[0]].dtype} and {tensor.dtype}); "
+                                "all slots share one format")
             if tensor.shape != weight.shape:
                 raise ValueError(f"state[{name!r}] has shape {tuple(tensor.shape)}, "
                                  f"the weight {tuple(weight.shape)}")
