@@ -126,6 +126,16 @@ def test_bad_rounding_seed_and_state_format_are_refused(good):
         rule.init_state(w, state_format="fp8")
 
 
+@pytest.mark.parametrize("rule, message", [
+    (fk.AdamW(eps=1e-46), "1e-46 is not representable in float32"),
+    (fk.SGD(lr=1e39), "is not representable in float32"),
+], ids=["eps_underflows", "lr_overflows"])
+def test_hyperparameter_not_representable_in_fp32_is_refused(good, rule, message):
+    x, dy, w, _, _ = good
+    with pytest.raises(ValueError, match=message):
+        _call(x, dy, w, rule.init_state(w), rule)
+
+
 def test_bad_config_and_rule_are_refused(good):
     x, dy, w, state, rule = good
     with pytest.raises(TypeError, match="config must be a forge_kernels.TileConfig"):

@@ -99,7 +99,8 @@ class Rule:
             raise AssertionError(f"{type(self).__name__} produced {len(values)} scalars, "
                                  f"the kernel takes {NUM_SCALARS}")
         padded = values + (0.0,) * (NUM_SCALARS - len(values))
-        rounded = tuple(float(np.float32(v)) for v in padded)
+        with np.errstate(over="ignore"):  # an overflow to inf is reported just below
+            rounded = tuple(float(np.float32(v)) for v in padded)
         for value, kernel_value in zip(padded, rounded):
             if not math.isfinite(kernel_value) or (value != 0 and kernel_value == 0):
                 raise ValueError(f"{self!r} at step {step}: the kernel scalar {value!r} is not representable "
