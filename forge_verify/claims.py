@@ -6,7 +6,7 @@ import torch
 
 from .bits import assert_bitwise_equal, ulp_distance
 from .interval import Interval
-from .problems import make_inputs, run_rule
+from .problems import FP32, make_inputs, run_rule
 from .reference import ENCLOSURE, POINT, reference_step, weight_grad, weight_grad_enclosure
 
 
@@ -17,50 +17,58 @@ def _assert_same_update(a, b, rule, what):
         assert_bitwise_equal(s_a[slot], s_b[slot], f"{what}: state[{slot!r}]")
 
 
-def fused_matches_oracle(problem, rule, config, device, *, oracle_rule=None):
-    """Fused and oracle paths give the same bits for weight and every state slot.
+def fused_matches_oracle(problem, rule, config, device, *, regime=FP32, oracle_rule=None):
+    """Fused and oracle paths give the same bits for weight and every state slot, in
+    any storage regime (same rounding streams on both paths).
 
     ``oracle_rule`` lets a test give the oracle a different rule, to show a change
     of operation order inside a rule is caught.
     """
-    inputs = make_inputs(problem, device)
-    fused = run_rule(inputs, rule, oracle=False, config=config)
-    oracle = run_rule(inputs, oracle_rule or rule, oracle=True, config=config)
-    _assert_same_update(fused, oracle, rule, f"fused vs oracle [{rule!r}; {problem.describe()}; {config}]")
+    inputs = make_inputs(problem, device, regime)
+    fused = run_rule(inputs, rule, oracle=False, config=config, regime=regime)
+    oracle = run_rule(inputs, oracle_rule or rule, oracle=True, config=config, regime=regime)
+    _assert_same_update(fused, oracle, rule,
+                        f"fused vs oracle [{rule!r}; {problem.describe()}; {regime.describe()}; {config}]")
 
 
-def repeatable(problem, rule, config, device, *, repeats=3, oracle=False):
+def repeatable(problem, rule, config, device, *, regime=FP32, repeats=3, oracle=False):
     """The same call, repeated from the same inputs, gives the same bits."""
-    inputs = make_inputs(problem, device)
-    first = run_rule(inputs, rule, oracle=oracle, config=config)
+    inputs = make_inputs(problem, device, regime)
+    first = run_rule(inputs, rule, oracle=oracle, config=config, regime=regime)
     for i in range(1, repeats):
-        again = run_rule(inputs, rule, oracle=oracle, config=config)
-        _assert_same_update(again, first, rule, f"repeat {i} [{rule!r}; {problem.describe()}; {config}]")
+        again = run_rule(inputs, rule, oracle=oracle, config=config, regime=regime)
+        _assert_same_update(again, first, rule,
+                            f"repeat {i} [{rule!r}; {problem.describe()}; {regime.describe()}; {config}]")
 
 
-def tiling_invariant(problem, rule, config_a, config_b, device):
-    """Two configs give the same bits (used where they share block_t)."""
-    inputs = make_inputs(problem, device)
-    a = run_rule(inputs, rule, config=config_a)
-    b = run_rule(inputs, rule, config=config_b)
-    _assert_same_update(a, b, rule, f"{config_a} vs {config_b} [{rule!r}; {problem.describe()}]")
+def tiling_invariant(problem, rule, config_a, config_b, device, *, regime=FP32):
+    """Two configs give the same bits (stochastic rounding included: its streams are
+    keyed on the element's index in the weight, not on the tile)."""
+    inputs = make_inputs(problem, device, regime)
+    a = run_rule(inputs, rule, config=config_a, regime=regime)
+    b = run_rule(inputs, rule, config=config_b, regime=regime)
+    _assert_same_update(a, b, rule, f"{config_a} vs {config_b} [{rule!r}; {problem.describe()}; {regime.describe()}]")
 
 
-def within_enclosure(problem, rule, config, device, backend) -> float:
-    """The fused result lies inside the rigorous fp32 enclosure of the exact step
-    (proofs/reference_enclosure.md), and so does the float64 reference.
+def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> float:
+    """The fused result lies inside the rigorous enclosure of the exact step
+    (proofs/reference_enclosure.md): fp32 arithmetic, plus one rounding per bf16 store
+    (half a bf16 ulp to nearest, under one ulp stochastically). The float64 reference,
+    which stores nothing rounded, lies inside too.
 
-    Returns the largest ulp distance between the kernel's weight and the float64
-    reference rounded to fp32.
+    Returns the largest ulp distance (in the weight's dtype) between the kernel's weight
+    and the float64 reference rounded to that dtype.
     """
-    inputs = make_inputs(problem, device)
-    weight, state = run_rule(inputs, rule, config=config)
+    inputs = make_inputs(problem, device, regime)
+    weight, state = run_rule(inputs, rule, config=config, regime=regime)
     w0 = inputs.weight.detach().cpu()
-    s0 = rule.init_state(w0)
+    s0 = rule.init_state(w0, state_format=regime.state_format)
     w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
     w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
     for step, (x, dy) in enumerate(inputs.batches, start=1):
         w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
+        w_enc = w_enc.stored(w0.dtype, regime.rounding)
+        s_enc = {k: v.stored(s0[k].dtype, regime.rounding) for k, v in s_enc.items()}
         w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
     what = f"[{rule!r}; {problem.describe()}; {config}]"
     _assert_inside(w_enc, weight, f"kernel weight {what}")
@@ -70,7 +78,7 @@ def within_enclosure(problem, rule, config, device, backend) -> float:
         _assert_inside(s_enc[slot], s_ref[slot], f"float64 reference state[{slot!r}] {what}")
     if weight.numel() == 0:
         return 0.0
-    return float(ulp_distance(weight.detach().cpu(), w_ref.to(torch.float32)).max())
+    return float(ulp_distance(weight.detach().cpu(), w_ref.to(weight.dtype)).max())
 
 
 def _assert_inside(enclosure: Interval, value: torch.Tensor, what: str):

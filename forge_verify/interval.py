@@ -11,7 +11,7 @@ any fp32 evaluation of the same operation sequence, fused multiply-adds included
 
 import torch
 
-from .tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF
+from .tolerances import BF16_SUBNORMAL_SPACING, FP32_UNDERFLOW, UNIT_ROUNDOFF
 
 _F64 = torch.float64
 # fp32 rounding, plus slack for an implementation that evaluates in float64 and rounds
@@ -106,6 +106,23 @@ class Interval:
         lo = torch.where(spans_zero, -torch.inf, quotients.amin(0))
         hi = torch.where(spans_zero, torch.inf, quotients.amax(0))
         return self._fp32_op(lo, hi)
+
+    def stored(self, dtype: torch.dtype, rounding: str):
+        """The interval after the value is stored as ``dtype``: unchanged for fp32 (the
+        kernel's fp32 result is what is stored); for bf16, widened by half a bf16 ulp
+        (nearest: u = 2^-8) or by one ulp (stochastic: |SR(z) - z| < ulp <= 2^-7 |z|),
+        plus the bf16 subnormal spacing near zero. Never across zero: both roundings
+        are monotone in magnitude and keep the sign."""
+        if dtype == torch.float32:
+            return self
+        if dtype != torch.bfloat16 or rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"no store model for {dtype} with {rounding!r} rounding")
+        u = UNIT_ROUNDOFF[torch.bfloat16]
+        unit = u if rounding == "nearest" else 2 * u
+        wide_lo = _down(self.lo - (unit * self.lo.abs() + BF16_SUBNORMAL_SPACING))
+        wide_hi = _up(self.hi + (unit * self.hi.abs() + BF16_SUBNORMAL_SPACING))
+        return Interval(torch.where(self.lo >= 0, wide_lo.clamp_min(0), wide_lo),
+                        torch.where(self.hi <= 0, wide_hi.clamp_max(0), wide_hi))
 
     def sqrt(self):
         # The operand of every sqrt in the rules is non-negative in exact arithmetic;

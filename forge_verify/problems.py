@@ -27,13 +27,35 @@ class Problem:
                 f"steps={self.steps} seed={self.seed} scale={self.scale:g}{' sparse' if self.sparse else ''}")
 
 
+@dataclass(frozen=True)
+class Regime:
+    """How weight and state are stored: the rule always computes in fp32."""
+
+    weight: torch.dtype = torch.float32
+    state_format: str = "fp32"
+    rounding: str = "stochastic"
+    seed: int = 0
+
+    @property
+    def stores_bf16(self) -> bool:
+        return self.weight == torch.bfloat16 or self.state_format == "bf16"
+
+    def describe(self) -> str:
+        weight = str(self.weight).replace("torch.", "")
+        rounding = f" {self.rounding} seed={self.seed}" if self.stores_bf16 else ""
+        return f"weight {weight}, state {self.state_format}{rounding}"
+
+
+FP32 = Regime()
+
+
 @dataclass
 class Inputs:
     weight: torch.Tensor
     batches: list  # one (x, dy) pair per step
 
 
-def make_inputs(problem: Problem, device) -> Inputs:
+def make_inputs(problem: Problem, device, regime: Regime = FP32) -> Inputs:
     """Draw the problem's tensors from its seed (on the CPU, so every backend sees the same values)."""
     gen = torch.Generator().manual_seed(problem.seed)
     T, N, K = problem.tokens, problem.out_features, problem.in_features
@@ -46,13 +68,14 @@ def make_inputs(problem: Problem, device) -> Inputs:
             x[:, ::3] = 0
             dy[:, ::5] = 0
         batches.append((x.to(device), dy.to(device)))
-    return Inputs(weight.to(device), batches)
+    return Inputs(weight.to(device, regime.weight), batches)
 
 
-def run_rule(inputs: Inputs, rule, *, oracle=False, config=None, first_step=1):
+def run_rule(inputs: Inputs, rule, *, oracle=False, config=None, regime: Regime = FP32, first_step=1):
     """Apply ``rule`` once per batch to a copy of the weight; returns (weight, state)."""
     weight = inputs.weight.clone()
-    state = rule.init_state(weight)
+    state = rule.init_state(weight, state_format=regime.state_format)
     for i, (x, dy) in enumerate(inputs.batches):
-        fk.fused_weight_update(x, dy, weight, state, rule, first_step + i, oracle=oracle, config=config)
+        fk.fused_weight_update(x, dy, weight, state, rule, first_step + i, oracle=oracle, config=config,
+                               rounding=regime.rounding, seed=regime.seed)
     return weight, state

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import forge_kernels as fk
 
-from .problems import Problem
+from .problems import Problem, Regime
 
 TILE_SIZES = (16, 32, 64)
 EDGE_SIZES = (1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 81)
@@ -44,6 +44,13 @@ def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYP
 # scalars, and one that is not representable is refused (tests/test_bad_input.py).
 def _floats(low, high):
     return st.floats(float(np.float32(low)), float(np.float32(high)), width=32, allow_subnormal=False)
+
+
+def regimes():
+    """Storage regimes: fp32 or bf16 weight, fp32 or bf16 state, stochastic or nearest bf16 stores."""
+    return st.builds(Regime, weight=st.sampled_from((torch.float32, torch.bfloat16)),
+                     state_format=st.sampled_from(("fp32", "bf16")),
+                     rounding=st.sampled_from(("stochastic", "nearest")), seed=st.integers(0, 2**63 - 1))
 
 
 _lr = _floats(1e-5, 0.1)

@@ -1,6 +1,7 @@
-"""fp32 regime: the fused update is bitwise the oracle's (materialized dW, same rule),
-for every rule, over drawn shapes, tiles, hyperparameters and 1-3 steps, fp32 and
-bf16 activations, ragged edges and T = 0 included; and it is deterministic."""
+"""The fused update is bitwise the oracle's (materialized dW, same rule, same rounding
+streams), for every rule and storage regime (fp32 or bf16 weight and state, stochastic
+or nearest bf16 stores), over drawn shapes, tiles, hyperparameters and 1-3 steps, fp32
+and bf16 activations, ragged edges and T = 0 included; and it is deterministic."""
 
 import pytest
 from hypothesis import given
@@ -21,7 +22,8 @@ def test_fused_equals_oracle(family, data, device):
     problem = data.draw(fst.problems(), label="problem")
     rule = data.draw(fst.RULES[family], label="rule")
     config = data.draw(fst.tile_configs(), label="config")
-    claims.fused_matches_oracle(problem, rule, config, device)
+    regime = data.draw(fst.regimes(), label="regime")
+    claims.fused_matches_oracle(problem, rule, config, device, regime=regime)
     observe(0)
 
 
@@ -31,5 +33,6 @@ def test_repeated_call_gives_same_bits(family, data, device):
     problem = data.draw(fst.problems(max_steps=2), label="problem")
     rule = data.draw(fst.RULES[family], label="rule")
     config = data.draw(fst.tile_configs(), label="config")
-    claims.repeatable(problem, rule, config, device, oracle=data.draw(st.booleans(), label="oracle"))
+    regime = data.draw(fst.regimes(), label="regime")
+    claims.repeatable(problem, rule, config, device, regime=regime, oracle=data.draw(st.booleans(), label="oracle"))
     observe(0)

@@ -1,6 +1,7 @@
-"""Closeness: the fused fp32 update lies inside the rigorous enclosure of the exact
-step (proofs/reference_enclosure.md), as does the float64 reference; the distance
-between kernel and float64 reference is reported in ulps."""
+"""Closeness: the fused update lies inside the rigorous enclosure of the exact step
+(proofs/reference_enclosure.md) in every storage regime, as does the float64 reference;
+the distance between kernel and float64 reference is reported in ulps of the weight's
+dtype."""
 
 import pytest
 from hypothesis import given
@@ -17,4 +18,5 @@ def test_update_inside_proven_enclosure(family, data, device, backend):
     problem = data.draw(fst.problems(max_tokens=64, max_features=40), label="problem")
     rule = data.draw(fst.RULES[family], label="rule")
     config = data.draw(fst.tile_configs(), label="config")
-    observe(claims.within_enclosure(problem, rule, config, device, backend))
+    regime = data.draw(fst.regimes(), label="regime")
+    observe(claims.within_enclosure(problem, rule, config, device, backend, regime=regime))

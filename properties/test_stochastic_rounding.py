@@ -11,10 +11,13 @@ test; seeds are fixed, so each run is deterministic.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
 import forge_kernels as fk
+from forge_kernels.ops.stochastic_round import rn_bf16
 from forge_verify.bits import assert_bitwise_equal
 from forge_verify.philox import stochastic_round_reference
 from forge_verify.stats import azuma_radius, hoeffding_radius
@@ -132,3 +135,39 @@ def test_bad_arguments_are_refused(bad, error, device):
         fk.stochastic_round(torch.ones(3, device=device), **bad)
     with pytest.raises(TypeError, match="rounds float32"):
         fk.stochastic_round(torch.ones(3, dtype=torch.float64), seed=1)
+
+
+@triton.jit
+def _round_nearest_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, rn_bf16(tl.load(x_ptr + i, mask=i < n, other=0.0)), mask=i < n)
+
+
+@pytest.mark.exactness
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300))
+def test_nearest_rounding_matches_torch(bits, device):
+    """The bf16 round-to-nearest-even used for "nearest" stores equals torch's cast, bit
+    for bit (NaNs: a quiet NaN of the same sign)."""
+    x = _fp32_from_bits(bits)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    _round_nearest_kernel[(triton.cdiv(x.numel(), 256),)](x.to(device), out, x.numel(), BLOCK=256)
+    expected = x.bfloat16()
+    nan = torch.isnan(x)
+    assert_bitwise_equal(out.cpu()[~nan], expected[~nan], "round to nearest")
+    assert torch.isnan(out.cpu()[nan]).all()
+
+
+@pytest.mark.exactness
+@pytest.mark.interpreter
+def test_interpreter_cast_to_bf16_truncates():
+    """The defect rn_bf16 works around: the interpreter's fp32 -> bf16 cast truncates.
+    If this starts failing, the interpreter was fixed; rn_bf16 stays correct either way."""
+    @triton.jit
+    def cast(x_ptr, out_ptr):
+        i = tl.arange(0, 16)
+        tl.store(out_ptr + i, tl.load(x_ptr + i).to(tl.bfloat16))
+
+    x = torch.full((16,), 1.0 + 2**-8 + 2**-12)
+    out = torch.empty(16, dtype=torch.bfloat16)
+    cast[(1,)](x, out)
+    assert torch.all(out == 1.0) and torch.all(x.bfloat16() == 1.0 + 2**-7)

@@ -31,7 +31,8 @@ def test_exactness_equivalent_configs_give_same_bits(family, data, device, backe
     config_a = data.draw(fst.tile_configs(), label="config_a")
     block_t = config_a.block_t if findings.BLOCK_T_CHANGES_BITS[(backend, problem.dtype)] else None
     config_b = data.draw(fst.tile_configs(block_t=block_t), label="config_b")
-    claims.tiling_invariant(problem, rule, config_a, config_b, device)
+    regime = data.draw(fst.regimes(), label="regime")
+    claims.tiling_invariant(problem, rule, config_a, config_b, device, regime=regime)
     observe(0)
 
 

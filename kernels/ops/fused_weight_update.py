@@ -16,7 +16,7 @@ from .._backend import interpreting, on_device
 from ..config import PINNED, TileConfig
 from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
-from .stochastic_round import check_seed, sr_bf16, stream_seed
+from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
 from .validation import check_finite_inputs, check_update_inputs
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
@@ -35,7 +35,7 @@ def _to_storage(v, seed, counter, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexp
     if TO_BF16:
         if STOCHASTIC:
             return sr_bf16(v, seed, counter)
-        return v.to(tl.bfloat16)
+        return rn_bf16(v)
     return v
 
 

@@ -37,6 +37,20 @@ def sr_bf16(x, seed, counter):
     return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def rn_bf16(x):
+    """fp32 tile -> bf16 tile, rounded to nearest, ties to even, by integer arithmetic.
+
+    Not ``x.to(tl.bfloat16)``: the Triton interpreter (3.9) truncates in that cast
+    (1 + 2**-8 + 2**-12 becomes 1.0), so the bit trick is used on every backend.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    quiet_nan = (bits & 0x80000000) | 0x7FC00000
+    rounded = tl.where(x != x, quiet_nan, rounded)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["seed", "offset"])
 def _stochastic_round_kernel(x_ptr, out_ptr, n, seed, offset, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
