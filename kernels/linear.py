@@ -15,7 +15,8 @@ from torch import nn
 
 from .config import TileConfig
 from .errors import NonFiniteUpdateError
-from .ops.fused_weight_update import fused_weight_update
+from .ops.fused_weight_update import ROUNDINGS, fused_weight_update
+from .ops.stochastic_round import check_seed, stream_seed
 from .rules.base import Rule
 
 _STATE_PREFIX = "forge_state_"
@@ -71,38 +72,45 @@ class ForgeLinear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,
-                 device=None, dtype=None):
+                 state_format="fp32", rounding=None, seed=0, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_forge(rule, oracle, config)
+        self._init_forge(rule, oracle, config, state_format, rounding, seed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, name=None):
+    def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, state_format="fp32",
+                    rounding=None, seed=0, name=None):
         """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight = linear.weight
         layer.bias = linear.bias
-        layer._init_forge(rule, oracle, config, name)
+        layer._init_forge(rule, oracle, config, state_format, rounding, seed, name)
         return layer
 
-    def _init_forge(self, rule, oracle, config, name=None):
+    def _init_forge(self, rule, oracle, config, state_format, rounding, seed, name=None):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if config is not None and not isinstance(config, TileConfig):
             raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
-        if self.weight.dtype != torch.float32:
-            raise TypeError(f"fused layers keep float32 weights in this regime; got {self.weight.dtype}")
-        self.rule, self.oracle, self.config = rule, bool(oracle), config
+        if self.weight.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"fused layers keep float32 or bfloat16 weights; got {self.weight.dtype}")
+        if rounding not in (None, *ROUNDINGS):
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.rule, self.oracle, self.config, self.rounding = rule, bool(oracle), config, rounding
         self.forge_name = name or "ForgeLinear"
         self._pending = weakref.WeakSet()
         self._failed_step = None
         # The fused path returns no weight gradient; any gradient that reaches the weight
         # comes from a use outside this layer and would be a second, unfused step.
         self.weight.register_hook(self._refuse_outside_gradient)
-        for slot, tensor in rule.init_state(self.weight.detach()).items():
+        for slot, tensor in rule.init_state(self.weight.detach(), state_format=state_format).items():
             self.register_buffer(_STATE_PREFIX + slot, tensor)
         self.register_buffer("forge_step", torch.zeros((), dtype=torch.int64, device=self.weight.device))
+        # The stochastic-rounding stream is part of the training state: a resumed run
+        # must draw the same bits.
+        self.register_buffer("forge_seed", torch.tensor(check_seed(seed), dtype=torch.int64,
+                                                        device=self.weight.device))
 
     @property
     def forge_state(self) -> dict:
@@ -140,7 +148,8 @@ class ForgeLinear(nn.Linear):
         try:
             with torch.no_grad():
                 fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, self.rule, step,
-                                    oracle=self.oracle, config=self.config)
+                                    oracle=self.oracle, config=self.config, rounding=self.rounding,
+                                    seed=int(self.forge_seed))
         except NonFiniteUpdateError:
             self._failed_step = step
             raise
@@ -169,8 +178,13 @@ def _shared_parameters(model: nn.Module) -> dict:
     return names
 
 
-def fuse(model: nn.Module, rule, *, oracle=False, config=None) -> nn.Module:
+def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp32", rounding=None,
+         seed=0) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a ForgeLinear using ``rule``.
+
+    Weights may be float32 or bfloat16; ``state_format``, ``rounding`` and ``seed`` are
+    those of ``fused_weight_update``. Each layer gets its own stochastic-rounding seed,
+    derived from ``seed`` and its position in ``model.named_modules()`` order.
 
     The module tree, names and Parameter objects are unchanged. Refused with a clear
     error: a Linear whose weight is registered anywhere else in the model (tied),
@@ -199,7 +213,9 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None) -> nn.Module:
                     raise ValueError(f"the weight of {qualified!r} is tied: it is registered as {owners}; "
                                      "a fused weight must get exactly one gradient per step")
                 targets.append((module, child_name, qualified, child))
-    for parent, child_name, qualified, linear in targets:
-        setattr(parent, child_name, ForgeLinear.from_linear(linear, rule, oracle=oracle, config=config,
-                                                            name=qualified))
+    check_seed(seed)
+    for index, (parent, child_name, qualified, linear) in enumerate(targets):
+        setattr(parent, child_name, ForgeLinear.from_linear(
+            linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
+            seed=stream_seed(seed, index + 1, 0), name=qualified))
     return model

@@ -144,9 +144,33 @@ def test_linear_subclass_is_refused(device):
         fk.fuse(nn.Sequential(attention), fk.AdamW())
 
 
-def test_bf16_weight_is_refused(device):
-    with pytest.raises(TypeError, match="float32 weights"):
-        fk.fuse(_mlp(0, device).bfloat16(), fk.AdamW())
+def test_fp16_weight_is_refused(device):
+    with pytest.raises(TypeError, match="float32 or bfloat16 weights"):
+        fk.fuse(_mlp(0, device).half(), fk.AdamW())
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_bf16_model_fused_equals_oracle(rounding, device):
+    """bf16 weights and bf16 state, no fp32 master copy: fused and oracle layers draw the
+    same rounding streams, so three training steps agree bit for bit."""
+    models = [fk.fuse(_mlp(0, device).bfloat16(), fk.AdamW(lr=1e-2), oracle=oracle, state_format="bf16",
+                      rounding=rounding, seed=17) for oracle in (False, True)]
+    for model in models:
+        _train(model, _batches(device, dtype=torch.bfloat16))
+    for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
+        if a.is_floating_point():
+            assert_bitwise_equal(a, b, name)
+        else:
+            assert torch.equal(a, b), name
+    assert models[0][0].weight.dtype == torch.bfloat16
+    assert models[0][0].forge_state["exp_avg"].dtype == torch.bfloat16
+
+
+def test_layers_get_distinct_rounding_streams(device):
+    model = fk.fuse(_mlp(0, device).bfloat16(), fk.SGD(lr=0.1), seed=5)
+    assert int(model[0].forge_seed) != int(model[2].forge_seed)
+    assert "0.forge_seed" in model.state_dict()
 
 
 def test_bf16_activations_update_fp32_weights(device):
