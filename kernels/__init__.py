@@ -9,14 +9,14 @@ from ._backend import interpreting, kernel_device
 from .config import PINNED, TileConfig
 from .errors import NonFiniteInputError, NonFiniteUpdateError
 from .linear import ForgeLinear, ForgeLinearFunction, fuse
-from .ops.fused_weight_update import fused_weight_update
+from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.stochastic_round import stochastic_round
 from .ops.weight_gradient import weight_gradient
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, RMSprop, Rule, bias_corrections
 
 __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
-    "TileConfig", "PINNED", "fused_weight_update", "weight_gradient", "stochastic_round",
+    "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round",
     "ForgeLinear", "ForgeLinearFunction", "fuse",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device",
 ]

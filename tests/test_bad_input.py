@@ -232,3 +232,37 @@ def test_rule_kernel_built_for_the_other_backend_is_refused(good):
     rule = type("WrongBackendSGD", (fk.SGD,), {"update": wrong})(lr=0.1)
     with pytest.raises(RuntimeError, match="import forge_kernels before defining kernels"):
         _call(x, dy, w, {}, rule)
+
+
+def test_apply_rule_on_the_kernel_gradient_is_the_oracle(good):
+    x, dy, w, state, rule = good
+    w_oracle, s_oracle = w.clone(), {k: v.clone() for k, v in state.items()}
+    fk.fused_weight_update(x, dy, w_oracle, s_oracle, rule, 1, oracle=True)
+    fk.apply_rule(fk.weight_gradient(x, dy), w, state, rule, 1)
+    assert torch.equal(w, w_oracle) and all(torch.equal(state[k], s_oracle[k]) for k in state)
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("dtype", TypeError, "grad is torch.bfloat16; the rule takes a float32 gradient"),
+    ("shape", ValueError, r"grad has shape \(10, 11\), the weight \(10, 12\)"),
+    ("strided", ValueError, "grad must be contiguous"),
+    ("alias", ValueError, "share memory"),
+    ("nan", fk.NonFiniteInputError, "nothing was updated"),
+])
+def test_apply_rule_refuses_bad_gradients(good, case, error, message):
+    _, _, w, state, rule = good
+    grad = torch.randn_like(w)
+    if case == "dtype":
+        grad = grad.bfloat16()
+    elif case == "shape":
+        grad = grad[:, :11]
+    elif case == "strided":
+        grad = torch.randn(12, 10, device=w.device).t()
+    elif case == "alias":
+        grad = state["exp_avg"]
+    elif case == "nan":
+        grad[0, 0] = float("nan")
+    before = w.clone()
+    with pytest.raises(error, match=message):
+        fk.apply_rule(grad, w, state, rule, 1)
+    assert torch.equal(w, before)

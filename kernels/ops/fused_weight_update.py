@@ -17,7 +17,7 @@ from ..config import PINNED, TileConfig
 from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
 from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
-from .validation import check_finite_inputs, check_update_inputs
+from .validation import check_finite_inputs, check_gradient, check_update_inputs, check_weight_and_state
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
 # A constexpr global: the only kind a compiled kernel may read.
@@ -156,6 +156,55 @@ def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: 
 ROUNDINGS = ("stochastic", "nearest")
 
 
+class _Epilogue:
+    """The validated, host-side arguments of the rule epilogue for one step."""
+
+    def __init__(self, weight, state, rule, step, config, rounding, seed):
+        self.config = PINNED if config is None else config
+        if not isinstance(self.config, TileConfig):
+            raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(self.config).__name__}")
+        rounding = "stochastic" if rounding is None else rounding
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        seed = check_seed(seed)
+        self.scalars = rule.scalars(step)
+        layout = rule.slot_layout
+        assert len(layout) == NUM_SLOTS
+        # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
+        self.slot_tensors = [state[name] if name is not None else weight for name in layout]
+        self.rule_args = dict(
+            RULE=rule.update, VARIANT=rule.variant,
+            HAS_S0=layout[0] is not None, HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None,
+            W_BF16=weight.dtype == torch.bfloat16,
+            S_BF16=any(state[name].dtype == torch.bfloat16 for name in rule.slots),
+            STOCHASTIC=rounding == "stochastic")
+        # One independent stream per output (weight, s0, s1, s2) and step.
+        self.seeds = [stream_seed(seed, step, output) for output in range(1 + NUM_SLOTS)]
+        N, K = weight.shape
+        self.grid = (triton.cdiv(N, self.config.block_n), triton.cdiv(K, self.config.block_k))
+        self.flags = torch.empty(self.grid[0] * self.grid[1], dtype=torch.int32, device=weight.device)
+
+    def apply(self, grad, weight):
+        """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
+        N, K = weight.shape
+        _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, self.flags, N, K, *self.scalars,
+                                      *self.seeds, **self.rule_args, BLOCK_N=self.config.block_n,
+                                      BLOCK_K=self.config.block_k, **self.config.launch_options())
+
+    def fused(self, x, dy, weight):
+        T, K = x.shape
+        N = weight.shape[0]
+        config = self.config
+        _fused_weight_update_kernel[self.grid](
+            x, dy, weight, *self.slot_tensors, self.flags, T, N, K,
+            x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *self.scalars, *self.seeds, **self.rule_args,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
+            UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
+
+    def raise_if_flagged(self, weight):
+        _raise_if_flagged(self.flags, self.grid, self.config, *weight.shape)
+
+
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
                         rounding=None, seed=0):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
@@ -179,51 +228,29 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     T = 0 is allowed: dW is then the empty sum, 0, and the rule steps with a zero
     gradient (decay and momentum still act), as torch.optim does with a zero grad.
     """
-    config = PINNED if config is None else config
-    if not isinstance(config, TileConfig):
-        raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(config).__name__}")
-    rounding = "stochastic" if rounding is None else rounding
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    seed = check_seed(seed)
     check_update_inputs(x, dy, weight, state, rule)
-    scalars = rule.scalars(step)
-    N, K = weight.shape
-    if N == 0 or K == 0:
+    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed)
+    if weight.numel() == 0:
         return
     check_finite_inputs(x, dy)
-
-    layout = rule.slot_layout
-    assert len(layout) == NUM_SLOTS
-    # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
-    slot_tensors = [state[name] if name is not None else weight for name in layout]
-    has_slot = [name is not None for name in layout]
-    grid = (triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))
-    flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=weight.device)
-    state_bf16 = any(state[name].dtype == torch.bfloat16 for name in rule.slots)
-    rule_args = dict(RULE=rule.update, VARIANT=rule.variant,
-                     HAS_S0=has_slot[0], HAS_S1=has_slot[1], HAS_S2=has_slot[2],
-                     W_BF16=weight.dtype == torch.bfloat16, S_BF16=state_bf16, STOCHASTIC=rounding == "stochastic")
-    # One independent stream per output (weight, s0, s1, s2) and step.
-    seeds = [stream_seed(seed, step, output) for output in range(1 + NUM_SLOTS)]
-
     with on_device(weight.device):
-        _launch(oracle, x, dy, weight, slot_tensors, flags, grid, config, scalars, seeds, rule_args)
-    _raise_if_flagged(flags, grid, config, N, K)
+        if oracle:
+            epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
+        else:
+            epilogue.fused(x, dy, weight)
+    epilogue.raise_if_flagged(weight)
 
 
-def _launch(oracle, x, dy, weight, slot_tensors, flags, grid, config, scalars, seeds, rule_args):
-    T, K = x.shape
-    N = weight.shape[0]
-    upcast = interpreting() and x.dtype == torch.bfloat16
-    strides = (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1))
-    launch = config.launch_options()
-    tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-    if oracle:
-        grad = launch_weight_gradient(x, dy, config)
-        _apply_rule_kernel[grid](grad, weight, *slot_tensors, flags, N, K, *scalars, *seeds,
-                                 **rule_args, **tiles, **launch)
-    else:
-        _fused_weight_update_kernel[grid](x, dy, weight, *slot_tensors, flags, T, N, K, *strides, *scalars,
-                                          *seeds, **rule_args, **tiles, BLOCK_T=config.block_t,
-                                          UPCAST_OPERANDS=upcast, **launch)
+def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0):
+    """One step of ``rule`` on a materialized fp32 gradient ``grad`` (N, K), in place: the
+    epilogue of the fused kernel (same rounding streams, same non-finite guard) as its
+    own kernel. With ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
+    check_gradient(grad, weight)
+    check_weight_and_state(weight, state, rule, read=[("grad", grad)])
+    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed)
+    if weight.numel() == 0:
+        return
+    check_finite_inputs(grad)
+    with on_device(weight.device):
+        epilogue.apply(grad, weight)
+    epilogue.raise_if_flagged(weight)

@@ -65,21 +65,13 @@ def check_activations(x, dy):
         raise ValueError(f"x is on {x.device} but dy on {dy.device}")
 
 
-def check_update_inputs(x, dy, weight, state, rule):
-    """Validate the arguments of ``fused_weight_update``; raise on the first problem."""
-    check_activations(x, dy)
+def check_weight_and_state(weight, state, rule, read=()):
+    """The written tensors: a contiguous float32/bfloat16 weight on the kernels' device, this
+    rule's state for it, and no memory shared with each other or with the ``read`` tensors."""
     _check_tensor("weight", weight, 2)
     if weight.dtype not in STORAGE_DTYPES:
         raise TypeError(f"weight is {weight.dtype}; weights must be float32 or bfloat16")
-    K = x.shape[1]
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but x has {K} input features")
-    if dy.shape[1] != N:
-        raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but dy has {dy.shape[1]} output features")
     _check_device("weight", weight)
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device} but x on {x.device}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous (it is updated in place)")
     if not hasattr(rule, "slot_layout") or getattr(rule, "update", None) is None:
@@ -91,19 +83,48 @@ def check_update_inputs(x, dy, weight, state, rule):
             "(or set TRITON_INTERPRET yourself before importing triton)")
     rule.check_state(state, weight)
     written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in rule.slots]
-    read = [("x", x), ("dy", dy)]
     for i, (name_a, a) in enumerate(written):
-        for name_b, b in written[i + 1:] + read:
+        for name_b, b in written[i + 1:] + list(read):
             if overlaps(a, b):
                 raise ValueError(f"{name_a} and {name_b} share memory; the update writes "
                                  f"{name_a} in place, so they must not overlap")
 
 
-def check_finite_inputs(x, dy):
-    """Refuse non-finite activations or output gradients before anything is written."""
-    if bool(torch.isfinite(x).all() & torch.isfinite(dy).all()):
+def check_update_inputs(x, dy, weight, state, rule):
+    """Validate the arguments of ``fused_weight_update``; raise on the first problem."""
+    check_activations(x, dy)
+    _check_tensor("weight", weight, 2)
+    K = x.shape[1]
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but x has {K} input features")
+    if dy.shape[1] != N:
+        raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but dy has {dy.shape[1]} output features")
+    check_weight_and_state(weight, state, rule, read=[("x", x), ("dy", dy)])
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x on {x.device}")
+
+
+def check_gradient(grad, weight):
+    """A materialized gradient: float32, contiguous, the weight's shape and device."""
+    _check_tensor("grad", grad, 2)
+    if grad.dtype != torch.float32:
+        raise TypeError(f"grad is {grad.dtype}; the rule takes a float32 gradient")
+    if not isinstance(weight, torch.Tensor) or grad.shape != weight.shape:
+        raise ValueError(f"grad has shape {tuple(grad.shape)}, the weight "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else weight!r}")
+    if not grad.is_contiguous():
+        raise ValueError("grad must be contiguous")
+    _check_device("grad", grad)
+    if grad.device != weight.device:
+        raise ValueError(f"grad is on {grad.device} but weight on {weight.device}")
+
+
+def check_finite_inputs(*tensors):
+    """Refuse non-finite inputs (activations, output gradients, a given gradient) before
+    anything is written."""
+    if all(bool(torch.isfinite(t).all()) for t in tensors):
         return
-    bad_x = int((~torch.isfinite(x)).sum())
-    bad_dy = int((~torch.isfinite(dy)).sum())
-    raise NonFiniteInputError(f"non-finite inputs: {bad_x} element(s) of x and {bad_dy} of dy are NaN or "
-                              "infinite; nothing was updated")
+    counts = ", ".join(str(int((~torch.isfinite(t)).sum())) for t in tensors)
+    raise NonFiniteInputError(f"non-finite inputs: {counts} element(s) of the {len(tensors)} input tensor(s) "
+                              "are NaN or infinite; nothing was updated")
