@@ -81,6 +81,32 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     return float(ulp_distance(weight.detach().cpu(), w_ref.to(weight.dtype)).max())
 
 
+def exact_inside_enclosure(problem, rule, backend, *, regime=FP32) -> None:
+    """The exact trajectory (exact gradients, the rule in mpmath at 113 bits) lies inside
+    the enclosure at every step: the enclosure bounds the real-number step, not merely
+    the float64 one."""
+    import mpmath
+
+    from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
+
+    inputs = make_inputs(problem, torch.device("cpu"), regime)
+    w0 = inputs.weight
+    s0 = rule.init_state(w0, state_format=regime.state_format)
+    w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
+    with mpmath.workprec(PRECISION_BITS):
+        w_mp, s_mp = MPMATH.value(w0), {k: MPMATH.value(v) for k, v in s0.items()}
+        for step, (x, dy) in enumerate(inputs.batches, start=1):
+            w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
+            w_enc = w_enc.stored(w0.dtype, regime.rounding)
+            s_enc = {k: v.stored(s0[k].dtype, regime.rounding) for k, v in s_enc.items()}
+            w_mp, s_mp = reference_step(rule, w_mp, exact_weight_grad(x, dy), s_mp, step, MPMATH)
+            what = f"exact trajectory at step {step} [{rule!r}; {problem.describe()}; {regime.describe()}]"
+            # Rounded to float64 outward: the exact value lies between the two neighbours.
+            _assert_inside(w_enc, torch.from_numpy(to_float64(w_mp)), what)
+            for slot in rule.slots:
+                _assert_inside(s_enc[slot], torch.from_numpy(to_float64(s_mp[slot])), f"{what}: state[{slot!r}]")
+
+
 def _assert_inside(enclosure: Interval, value: torch.Tensor, what: str):
     value = value.detach().cpu()
     inside = enclosure.contains(value)

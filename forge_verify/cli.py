@@ -15,6 +15,13 @@ def main(argv=None) -> int:
     check.add_argument("--profile", default=None,
                        help=f"hypothesis profile (dev, ci, nightly); default: ${PROFILE_VARIABLE} or ci")
     check.add_argument("-k", dest="keyword", default=None, help="only properties matching this pytest -k expression")
+    deviation = commands.add_parser("deviation", help="measure each storage regime's drift from the exact "
+                                                      "(mpmath) trajectory: FORGE vs the materialized pipeline")
+    deviation.add_argument("--steps", default="1,10,100", help="checkpoints, comma-separated (default 1,10,100)")
+    deviation.add_argument("--size", type=int, default=8, help="the weight is size x size (default 8)")
+    deviation.add_argument("--tokens", type=int, default=32, help="tokens per step (default 32)")
+    deviation.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -22,6 +29,21 @@ def main(argv=None) -> int:
         os.environ[PROFILE_VARIABLE] = args.profile or os.environ.get(PROFILE_VARIABLE, "ci")
         extra = ["-k", args.keyword] if args.keyword else []
         return run_check(extra_args=extra)
+    if args.command == "deviation":
+        import torch
+
+        import forge_kernels as fk
+
+        from .deviation import deviation_table, format_rows
+        from .problems import Problem
+
+        checkpoints = tuple(int(s) for s in args.steps.split(","))
+        rule = fk.AdamW(lr=args.lr, weight_decay=0.01)
+        problem = Problem(args.tokens, args.size, args.size, torch.bfloat16, max(checkpoints), args.seed)
+        print(f"{rule!r}; weight {args.size}x{args.size}, {args.tokens} bf16 tokens per step, seed {args.seed}; "
+              f"backend: {'Triton interpreter (CPU)' if fk.interpreting() else 'GPU'}")
+        print(format_rows(deviation_table(rule, problem, checkpoints)))
+        return 0
     return 2
 
 

@@ -94,3 +94,17 @@ def test_torch_optim_distance_is_zero_where_the_operation_order_is_the_same(devi
     problem = Problem(tokens=50, out_features=20, in_features=30, dtype=torch.float32, steps=3, seed=2)
     assert int(distance_to_torch_optim(problem, fk.SGD(lr=0.0625), device).max()) == 0
     assert int(distance_to_torch_optim(problem, fk.AdamW(lr=1e-3), device).max()) < 64
+
+
+def test_exact_trajectory_check_resolves_a_few_fp32_ulps(monkeypatch, backend):
+    """The mpmath property is not vacuous: an exact trajectory off by one part in a
+    million (about eight fp32 ulps) is reported outside the enclosure."""
+    from forge_verify import mpref
+
+    problem = Problem(tokens=16, out_features=6, in_features=6, dtype=torch.float32, steps=2, seed=2)
+    rule = fk.SGD(lr=0.1, momentum=0.9)
+    claims.exact_inside_enclosure(problem, rule, backend)
+    exact = mpref.to_float64
+    monkeypatch.setattr(mpref, "to_float64", lambda values: exact(values) * (1 + 1e-6))
+    with pytest.raises(AssertionError, match="outside the proven enclosure"):
+        claims.exact_inside_enclosure(problem, rule, backend)

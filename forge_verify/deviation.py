@@ -1,0 +1,136 @@
+"""How far each low-precision regime drifts from the exact trajectory.
+
+For a small seeded problem, three ways of taking the same steps are compared with the
+exact trajectory (exact gradients, the rule in mpmath at 113 bits, nothing rounded):
+
+* ``forge``: the fused kernel (the gradient never leaves fp32 registers);
+* ``standard``: the materialized pipeline at the same storage precision: the kernel's
+  gradient stored in the weight's dtype, then the same epilogue (``fk.apply_rule``);
+* ``torch.optim``: ``torch.optim.AdamW`` with parameter, gradient and state in the
+  weight's dtype, where that matches the regime (state stored like the weight,
+  rounded to nearest).
+
+Errors are measured on the weight, in ulps of the weight's dtype at the exact value:
+the largest, the median, the bias and the spread, and the RMS error relative to the
+exact RMS change of the weight. The bias is signed along the exact trajectory: the mean
+of error · sign(exact change), so a weight that lags behind the exact one (an update
+lost to rounding) counts negative whichever way it moves; the spread is the standard
+deviation of the same quantity.
+"""
+
+from dataclasses import dataclass
+
+import mpmath
+import numpy as np
+import torch
+
+import forge_kernels as fk
+
+from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
+from .problems import Problem, Regime, make_inputs
+from .reference import reference_step
+
+REGIMES = {
+    "fp32 weight, fp32 state": Regime(),
+    "fp32 weight, bf16 state, nearest": Regime(state_format="bf16", rounding="nearest"),
+    "fp32 weight, bf16 state, stochastic": Regime(state_format="bf16", rounding="stochastic", seed=1),
+    "bf16 weight, fp32 state, nearest": Regime(weight=torch.bfloat16, rounding="nearest"),
+    "bf16 weight, fp32 state, stochastic": Regime(weight=torch.bfloat16, rounding="stochastic", seed=1),
+    "bf16 weight, bf16 state, nearest": Regime(weight=torch.bfloat16, state_format="bf16", rounding="nearest"),
+    "bf16 weight, bf16 state, stochastic": Regime(weight=torch.bfloat16, state_format="bf16",
+                                                  rounding="stochastic", seed=1),
+}
+
+
+@dataclass
+class Deviation:
+    regime: str
+    method: str
+    steps: int
+    max_ulp: float
+    median_ulp: float
+    bias_ulp: float
+    spread_ulp: float
+    relative_rms: float
+
+
+def _ulp(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    # eps is the ulp of 1.0; below the normal range the ulp stays that of the smallest normal.
+    finfo = torch.finfo(dtype)
+    magnitude = np.maximum(np.abs(exact), finfo.tiny)
+    return 2.0 ** np.floor(np.log2(magnitude)) * finfo.eps
+
+
+def _measure(regime_name, method, steps, weight, exact, w0, dtype) -> Deviation:
+    error = weight.detach().cpu().double().numpy() - exact
+    ulps = error / _ulp(exact, dtype)
+    along = ulps * np.sign(exact - w0)
+    change = np.sqrt(np.mean((exact - w0) ** 2))
+    return Deviation(regime_name, method, steps, float(np.abs(ulps).max()), float(np.median(np.abs(ulps))),
+                     float(along.mean()), float(along.std()), float(np.sqrt(np.mean(error**2)) / change))
+
+
+def _torch_optim_applies(regime: Regime) -> bool:
+    same_dtype = (regime.state_format == "bf16") == (regime.weight == torch.bfloat16)
+    return same_dtype and (regime.weight == torch.float32 or regime.rounding == "nearest")
+
+
+def format_rows(rows) -> str:
+    header = ("regime", "method", "steps", "max ulp", "median ulp", "bias ulp", "spread ulp", "rms / change")
+    lines = [header] + [(r.regime, r.method, str(r.steps), f"{r.max_ulp:.2f}", f"{r.median_ulp:.2f}",
+                         f"{r.bias_ulp:+.3f}", f"{r.spread_ulp:.3f}", f"{r.relative_rms:.3g}") for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def deviation_table(rule: fk.AdamW, problem: Problem, checkpoints=(1, 10, 100), regimes=REGIMES,
+                    device=None) -> list:
+    """Rows of :class:`Deviation` for every regime, method and checkpoint."""
+    device = fk.kernel_device() if device is None else device
+    steps = max(checkpoints)
+    problem = Problem(problem.tokens, problem.out_features, problem.in_features, problem.dtype, steps,
+                      problem.seed, problem.scale, problem.sparse)
+    base = make_inputs(problem, device)
+    rows = []
+    exact_at = {}
+    with mpmath.workprec(PRECISION_BITS):
+        for name, regime in regimes.items():
+            w0 = base.weight.to(regime.weight)
+            key = regime.weight
+            if key not in exact_at:
+                w = MPMATH.value(w0)
+                state = {k: MPMATH.value(v) for k, v in rule.init_state(w0.double()).items()}
+                exact_at[key] = {}
+                for step, (x, dy) in enumerate(base.batches, start=1):
+                    w, state = reference_step(rule, w, exact_weight_grad(x, dy), state, step, MPMATH)
+                    if step in checkpoints:
+                        exact_at[key][step] = to_float64(w)
+            rows += _run_methods(name, regime, rule, base, w0, exact_at[key], checkpoints)
+    return rows
+
+
+def _run_methods(name, regime, rule, base, w0, exact, checkpoints):
+    rows = []
+    start = w0.detach().cpu().double().numpy()
+    methods = ["forge", "standard"] + (["torch.optim"] if _torch_optim_applies(regime) else [])
+    for method in methods:
+        weight = w0.clone()
+        state = rule.init_state(weight, state_format=regime.state_format)
+        param = torch.nn.Parameter(w0.clone())
+        optimizer = torch.optim.AdamW([param], lr=rule.lr, betas=rule.betas, eps=rule.eps,
+                                      weight_decay=rule.weight_decay, foreach=False)
+        for step, (x, dy) in enumerate(base.batches, start=1):
+            if method == "forge":
+                fk.fused_weight_update(x, dy, weight, state, rule, step, rounding=regime.rounding, seed=regime.seed)
+            elif method == "standard":
+                stored = fk.weight_gradient(x, dy).to(regime.weight).float()
+                fk.apply_rule(stored, weight, state, rule, step, rounding=regime.rounding, seed=regime.seed)
+            else:
+                param.grad = fk.weight_gradient(x, dy).to(regime.weight)
+                optimizer.step()
+                weight = param.detach()
+            if step in checkpoints:
+                rows.append(_measure(name, method, step, weight, exact[step], start, regime.weight))
+    return rows
