@@ -7,7 +7,8 @@ so +0 and -0 differ and NaNs compare by payload.
 import torch
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-             torch.float64: torch.int64}
+             torch.float64: torch.int64, torch.uint8: torch.uint8, torch.int8: torch.int8,
+             torch.int32: torch.int32, torch.int64: torch.int64}
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -24,12 +25,15 @@ def ordered_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Number of representable values between ``a`` and ``b`` (same dtype), as int64.
+    """Number of representable values between ``a`` and ``b`` (same dtype), as int64;
+    for integer tensors (quantized codes) the difference of the codes.
 
     NaN against anything is reported as the largest int64, so it never looks close.
     """
     if a.dtype != b.dtype:
         raise TypeError(f"ulp_distance needs one dtype, got {a.dtype} and {b.dtype}")
+    if not a.is_floating_point():
+        return (a.to(torch.int64) - b.to(torch.int64)).abs()
     dist = (ordered_bits(a) - ordered_bits(b)).abs()
     return torch.where(torch.isnan(a) | torch.isnan(b), torch.iinfo(torch.int64).max, dist)
 
@@ -45,6 +49,8 @@ def first_difference(actual: torch.Tensor, expected: torch.Tensor):
 
 def _describe(t: torch.Tensor, index) -> str:
     value = t[index]
+    if not t.is_floating_point():
+        return repr(value.item())
     width = torch.finfo(t.dtype).bits // 4
     pattern = int(int_view(value.reshape(1))[0]) & ((1 << (4 * width)) - 1)
     return f"{value.item()!r} (0x{pattern:0{width}x})"

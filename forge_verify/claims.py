@@ -4,6 +4,8 @@ problems; ``forge-verify check`` and later the gate call the same functions."""
 
 import torch
 
+import forge_kernels as fk
+
 from .bits import assert_bitwise_equal, ulp_distance
 from .interval import Interval
 from .problems import FP32, make_inputs, run_rule
@@ -61,14 +63,14 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     """
     inputs = make_inputs(problem, device, regime)
     weight, state = run_rule(inputs, rule, config=config, regime=regime)
+    state = decoded_state(rule, state)
     w0 = inputs.weight.detach().cpu()
-    s0 = rule.init_state(w0, state_format=regime.state_format)
+    s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
     w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
     w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
     for step, (x, dy) in enumerate(inputs.batches, start=1):
         w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
-        w_enc = w_enc.stored(w0.dtype, regime.rounding)
-        s_enc = {k: v.stored(s0[k].dtype, regime.rounding) for k, v in s_enc.items()}
+        w_enc, s_enc = _stored(rule, regime, w0.dtype, w_enc, s_enc)
         w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
     what = f"[{rule!r}; {problem.describe()}; {config}]"
     _assert_inside(w_enc, weight, f"kernel weight {what}")
@@ -91,20 +93,38 @@ def exact_inside_enclosure(problem, rule, backend, *, regime=FP32) -> None:
 
     inputs = make_inputs(problem, torch.device("cpu"), regime)
     w0 = inputs.weight
-    s0 = rule.init_state(w0, state_format=regime.state_format)
+    s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
     w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
     with mpmath.workprec(PRECISION_BITS):
         w_mp, s_mp = MPMATH.value(w0), {k: MPMATH.value(v) for k, v in s0.items()}
         for step, (x, dy) in enumerate(inputs.batches, start=1):
             w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
-            w_enc = w_enc.stored(w0.dtype, regime.rounding)
-            s_enc = {k: v.stored(s0[k].dtype, regime.rounding) for k, v in s_enc.items()}
+            w_enc, s_enc = _stored(rule, regime, w0.dtype, w_enc, s_enc)
             w_mp, s_mp = reference_step(rule, w_mp, exact_weight_grad(x, dy), s_mp, step, MPMATH)
             what = f"exact trajectory at step {step} [{rule!r}; {problem.describe()}; {regime.describe()}]"
             # Rounded to float64 outward: the exact value lies between the two neighbours.
             _assert_inside(w_enc, torch.from_numpy(to_float64(w_mp)), what)
             for slot in rule.slots:
                 _assert_inside(s_enc[slot], torch.from_numpy(to_float64(s_mp[slot])), f"{what}: state[{slot!r}]")
+
+
+def decoded_state(rule, state) -> dict:
+    """The state's values as fp32 tensors by slot (q8 codes decoded)."""
+    if rule.state_format(state) != "q8":
+        return {slot: state[slot] for slot in rule.slots}
+    return {slot: fk.q8.decode(state[slot], state[slot + fk.q8.EXPONENT_SUFFIX], slot not in rule.nonnegative)
+            for slot in rule.slots}
+
+
+def _stored(rule, regime, weight_dtype, w_enc, s_enc):
+    """The enclosures after the step's stores in the regime's formats."""
+    w_enc = w_enc.stored(weight_dtype, regime.rounding)
+    if regime.state_format == "q8":
+        s_enc = {k: v.stored_q8(signed=k not in rule.nonnegative) for k, v in s_enc.items()}
+    else:
+        dtype = torch.bfloat16 if regime.state_format == "bf16" else torch.float32
+        s_enc = {k: v.stored(dtype, regime.rounding) for k, v in s_enc.items()}
+    return w_enc, s_enc
 
 
 def _assert_inside(enclosure: Interval, value: torch.Tensor, what: str):

@@ -39,6 +39,9 @@ REGIMES = {
     "bf16 weight, bf16 state, nearest": Regime(weight=torch.bfloat16, state_format="bf16", rounding="nearest"),
     "bf16 weight, bf16 state, stochastic": Regime(weight=torch.bfloat16, state_format="bf16",
                                                   rounding="stochastic", seed=1),
+    "fp32 weight, q8 state": Regime(state_format="q8"),
+    "bf16 weight, q8 state, stochastic": Regime(weight=torch.bfloat16, state_format="q8", rounding="stochastic",
+                                                seed=1),
 }
 
 
@@ -71,6 +74,8 @@ def _measure(regime_name, method, steps, weight, exact, w0, dtype) -> Deviation:
 
 
 def _torch_optim_applies(regime: Regime) -> bool:
+    if regime.state_format == "q8":
+        return False
     same_dtype = (regime.state_format == "bf16") == (regime.weight == torch.bfloat16)
     return same_dtype and (regime.weight == torch.float32 or regime.rounding == "nearest")
 

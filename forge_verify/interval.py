@@ -124,6 +124,30 @@ class Interval:
         return Interval(torch.where(self.lo >= 0, wide_lo.clamp_min(0), wide_lo),
                         torch.where(self.hi <= 0, wide_hi.clamp_max(0), wide_hi))
 
+    def stored_q8(self, signed: bool):
+        """The interval after a q8 store (forge_kernels.q8): nearest level of the block's
+        map, so a relative error up to max (b - a) / (b + a) over adjacent same-sign levels,
+        plus, for values under the smallest level, up to that level times the block scale
+        (at most twice the block's largest magnitude). Never across zero."""
+        import numpy as np
+
+        from forge_kernels import q8
+
+        levels = (q8.SIGNED_LEVELS if signed else q8.UNSIGNED_LEVELS).astype(np.float64)
+        positive = levels[levels > 0]
+        negative = -levels[levels < 0][::-1]
+        relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1]))) for m in (positive, negative) if m.size > 1)
+        smallest = float(min(positive.min(), negative.min() if negative.size else np.inf))
+        magnitude = torch.maximum(self.lo.abs(), self.hi.abs())
+        rows, cols = magnitude.shape
+        pad = (-cols) % q8.BLOCK
+        blocks = torch.nn.functional.pad(magnitude, (0, pad)).reshape(rows, -1, q8.BLOCK).amax(dim=2)
+        floor = (2 * smallest * blocks).repeat_interleave(q8.BLOCK, dim=1)[:, :cols]
+        wide_lo = _down(self.lo - (relative * self.lo.abs() + floor))
+        wide_hi = _up(self.hi + (relative * self.hi.abs() + floor))
+        return Interval(torch.where(self.lo >= 0, wide_lo.clamp_min(0), wide_lo),
+                        torch.where(self.hi <= 0, wide_hi.clamp_max(0), wide_hi))
+
     def sqrt(self):
         # The operand of every sqrt in the rules is non-negative in exact arithmetic;
         # a lower end below zero is rounding slack and is clamped.

@@ -5,6 +5,8 @@ problem sizes mix random values with edges (1, one less and one more than a tile
 +17-style misalignment) so ragged tiles are always exercised.
 """
 
+import dataclasses
+
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -47,10 +49,17 @@ def _floats(low, high):
 
 
 def regimes():
-    """Storage regimes: fp32 or bf16 weight, fp32 or bf16 state, stochastic or nearest bf16 stores."""
+    """Storage regimes: fp32 or bf16 weight, fp32, bf16 or q8 state, stochastic or nearest bf16 stores."""
     return st.builds(Regime, weight=st.sampled_from((torch.float32, torch.bfloat16)),
-                     state_format=st.sampled_from(("fp32", "bf16")),
+                     state_format=st.sampled_from(("fp32", "bf16", "q8")),
                      rounding=st.sampled_from(("stochastic", "nearest")), seed=st.integers(0, 2**63 - 1))
+
+
+def fit_config(config, regime):
+    """``config``, widened to whole q8 blocks where the regime keeps q8 state."""
+    if regime.state_format == "q8" and config.block_k < fk.q8.BLOCK:
+        return dataclasses.replace(config, block_k=fk.q8.BLOCK)
+    return config
 
 
 _lr = _floats(1e-5, 0.1)

@@ -5,6 +5,7 @@ when no GPU is present (decided once, in ``_backend``, before any kernel is defi
 """
 
 from . import _backend  # noqa: F401  (must run before any @triton.jit below)
+from . import q8
 from ._backend import interpreting, kernel_device
 from .config import PINNED, TileConfig
 from .errors import NonFiniteInputError, NonFiniteUpdateError
@@ -18,5 +19,5 @@ __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round",
     "ForgeLinear", "ForgeLinearFunction", "fuse",
-    "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device",
+    "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",
 ]

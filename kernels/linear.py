@@ -104,8 +104,10 @@ class ForgeLinear(nn.Linear):
         # The fused path returns no weight gradient; any gradient that reaches the weight
         # comes from a use outside this layer and would be a second, unfused step.
         self.weight.register_hook(self._refuse_outside_gradient)
-        for slot, tensor in rule.init_state(self.weight.detach(), state_format=state_format).items():
-            self.register_buffer(_STATE_PREFIX + slot, tensor)
+        state = rule.init_state(self.weight.detach(), state_format=state_format)
+        self._state_keys = tuple(state)
+        for key, tensor in state.items():
+            self.register_buffer(_STATE_PREFIX + key, tensor)
         self.register_buffer("forge_step", torch.zeros((), dtype=torch.int64, device=self.weight.device))
         # The stochastic-rounding stream is part of the training state: a resumed run
         # must draw the same bits.
@@ -114,8 +116,9 @@ class ForgeLinear(nn.Linear):
 
     @property
     def forge_state(self) -> dict:
-        """The rule's state slots (live tensors, updated in place)."""
-        return {slot: getattr(self, _STATE_PREFIX + slot) for slot in self.rule.slots}
+        """The rule's state (live tensors, updated in place): its slots, and in the q8
+        format each slot's block exponents."""
+        return {key: getattr(self, _STATE_PREFIX + key) for key in self._state_keys}
 
     def forward(self, x):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):

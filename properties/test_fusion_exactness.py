@@ -23,6 +23,7 @@ def test_fused_equals_oracle(family, data, device):
     rule = data.draw(fst.RULES[family], label="rule")
     config = data.draw(fst.tile_configs(), label="config")
     regime = data.draw(fst.regimes(), label="regime")
+    config = fst.fit_config(config, regime)
     claims.fused_matches_oracle(problem, rule, config, device, regime=regime)
     observe(0)
 
@@ -34,5 +35,6 @@ def test_repeated_call_gives_same_bits(family, data, device):
     rule = data.draw(fst.RULES[family], label="rule")
     config = data.draw(fst.tile_configs(), label="config")
     regime = data.draw(fst.regimes(), label="regime")
+    config = fst.fit_config(config, regime)
     claims.repeatable(problem, rule, config, device, regime=regime, oracle=data.draw(st.booleans(), label="oracle"))
     observe(0)

@@ -19,4 +19,5 @@ def test_update_inside_proven_enclosure(family, data, device, backend):
     rule = data.draw(fst.RULES[family], label="rule")
     config = data.draw(fst.tile_configs(), label="config")
     regime = data.draw(fst.regimes(), label="regime")
+    config = fst.fit_config(config, regime)
     observe(claims.within_enclosure(problem, rule, config, device, backend, regime=regime))

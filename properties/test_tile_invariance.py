@@ -32,7 +32,8 @@ def test_exactness_equivalent_configs_give_same_bits(family, data, device, backe
     block_t = config_a.block_t if findings.BLOCK_T_CHANGES_BITS[(backend, problem.dtype)] else None
     config_b = data.draw(fst.tile_configs(block_t=block_t), label="config_b")
     regime = data.draw(fst.regimes(), label="regime")
-    claims.tiling_invariant(problem, rule, config_a, config_b, device, regime=regime)
+    claims.tiling_invariant(problem, rule, fst.fit_config(config_a, regime), fst.fit_config(config_b, regime),
+                            device, regime=regime)
     observe(0)
 
 

@@ -50,3 +50,11 @@ def test_bitwise_equal_message_has_patterns_and_ulps():
     assert_bitwise_equal(a, a.clone())
     with pytest.raises(AssertionError, match="dtype"):
         assert_bitwise_equal(a, a.double())
+
+
+def test_codes_compare_bitwise_with_their_difference_reported():
+    a = torch.tensor([1, 2, 250], dtype=torch.uint8)
+    b = torch.tensor([1, 5, 250], dtype=torch.uint8)
+    assert int(ulp_distance(a, b).max()) == 3
+    with pytest.raises(AssertionError, match=r"codes: 1 of 3 elements differ bitwise; first at \(1,\): 2 vs 5"):
+        assert_bitwise_equal(a, b, "codes")

@@ -16,6 +16,10 @@ from .._backend import interpreting, on_device
 from ..config import PINNED, TileConfig
 from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
+from ..q8 import BLOCK as Q8_BLOCK_COLUMNS
+from ..q8 import EXPONENT_SUFFIX
+from ..q8 import table as q8_table
+from .q8_codec import Q8_BLOCK, q8_decode, q8_encode
 from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
 from .validation import check_finite_inputs, check_gradient, check_update_inputs, check_weight_and_state
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
@@ -32,74 +36,114 @@ def _is_finite(v):
 @triton.jit
 def _to_storage(v, seed, counter, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """The value to store for fp32 ``v``: itself, or bf16 by stochastic or nearest rounding."""
+    out = v
     if TO_BF16:
         if STOCHASTIC:
-            return sr_bf16(v, seed, counter)
-        return rn_bf16(v)
-    return v
+            out = sr_bf16(v, seed, counter)
+        else:
+            out = rn_bf16(v)
+    return out
 
 
 @triton.jit
-def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+def _load_slot(s_ptr, e_ptr, table_ptr, idx, eidx, mask, zeros,
+               HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr):
+    value = zeros
+    if HAS:
+        if Q8:
+            value = q8_decode(s_ptr, e_ptr, table_ptr, idx, eidx, mask, SIGNED)
+        else:
+            value = tl.load(s_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _slot_is_storable(v, Q8: tl.constexpr):
+    ok = _is_finite(v)
+    if Q8:
+        # The largest q8 block exponent is 126: a larger value would be clamped, not stored.
+        ok = ok & (tl.abs(v) < 8.507059173023462e37)
+    return ok
+
+
+@triton.jit
+def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
+                HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Store a slot already in its storage dtype (fp32 or bf16), or q8-encode and store it."""
+    if HAS:
+        if Q8:
+            codes, exponents = q8_encode(tl.where(mask, v, 0.0), table_ptr, BLOCK_N, BLOCK_K, SIGNED)
+            tl.store(s_ptr + idx, codes, mask=keep)
+            offs_kb = tl.program_id(1) * (BLOCK_K // Q8_BLOCK) + tl.arange(0, BLOCK_K // Q8_BLOCK)
+            eidx = offs_n[:, None] * KB + offs_kb[None, :]
+            tl.store(e_ptr + eidx, exponents, mask=mask_n[:, None] & (offs_kb[None, :] < KB) & ((eidx * 0 + tile_ok) != 0))
+        else:
+            tl.store(s_ptr + idx, v, mask=keep)
+
+
+@triton.jit
+def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                   offs_n, offs_k, mask_n, mask_k, K, KB,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-                   W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Apply RULE to one tile in fp32, round to the storage dtypes, and store, unless
+                   W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   NONNEGATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Apply RULE to one tile in fp32, convert to the storage formats, and store, unless
     anything in the tile is non-finite.
 
     bf16 stores round stochastically (one Philox stream per output, keyed on the
-    element's index in the weight) or to nearest. A tile whose gradient or stored
-    weight or state would hold a NaN or infinity is not stored at all (weight and state
-    keep their old values); its count of bad elements goes to ``flag_ptr[tile_id]`` so
-    the launcher can raise.
+    element's index in the weight) or to nearest; q8 state is decoded before the rule
+    and re-encoded after it, block by block (``forge_kernels.q8``). A tile whose
+    gradient, new weight or new state holds a NaN or infinity (or a value too large for
+    its format) is not stored at all: weight and state keep their old values, and the
+    tile's count of bad elements goes to ``flag_ptr[tile_id]`` so the launcher can raise.
+    ``NONNEGATIVE`` has bit i set when slot i only holds values >= 0 (its q8 map is the
+    unsigned one); ``KB`` is the number of q8 blocks in a row.
     """
     mask = mask_n[:, None] & mask_k[None, :]
     idx = offs_n[:, None] * K + offs_k[None, :]
+    eidx = offs_n[:, None] * KB + offs_k[None, :] // Q8_BLOCK
     counter = idx.to(tl.uint32)
     w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     zeros = tl.zeros_like(w)
-    s0 = zeros
-    s1 = zeros
-    s2 = zeros
-    if HAS_S0:
-        s0 = tl.load(s0_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    if HAS_S1:
-        s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    if HAS_S2:
-        s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    s0 = _load_slot(s0_ptr, e0_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0)
+    s1 = _load_slot(s1_ptr, e1_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0)
+    s2 = _load_slot(s2_ptr, e2_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0)
     w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
     w = _to_storage(w, seed_w, counter, W_BF16, STOCHASTIC)
-    s0 = _to_storage(s0, seed_s0, counter, S_BF16, STOCHASTIC)
-    s1 = _to_storage(s1, seed_s1, counter, S_BF16, STOCHASTIC)
-    s2 = _to_storage(s2, seed_s2, counter, S_BF16, STOCHASTIC)
     finite = _is_finite(g) & _is_finite(w.to(tl.float32))
-    if HAS_S0:
-        finite = finite & _is_finite(s0.to(tl.float32))
-    if HAS_S1:
-        finite = finite & _is_finite(s1.to(tl.float32))
-    if HAS_S2:
-        finite = finite & _is_finite(s2.to(tl.float32))
+    if not S_Q8:
+        s0 = _to_storage(s0, seed_s0, counter, S_BF16, STOCHASTIC)
+        s1 = _to_storage(s1, seed_s1, counter, S_BF16, STOCHASTIC)
+        s2 = _to_storage(s2, seed_s2, counter, S_BF16, STOCHASTIC)
+    finite = finite & _slot_is_storable(s0.to(tl.float32), S_Q8)
+    finite = finite & _slot_is_storable(s1.to(tl.float32), S_Q8)
+    finite = finite & _slot_is_storable(s2.to(tl.float32), S_Q8)
     num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
     keep = mask & ((idx * 0 + num_bad) == 0)
     tl.store(w_ptr + idx, w, mask=keep)
-    if HAS_S0:
-        tl.store(s0_ptr + idx, s0, mask=keep)
-    if HAS_S1:
-        tl.store(s1_ptr + idx, s1, mask=keep)
-    if HAS_S2:
-        tl.store(s2_ptr + idx, s2, mask=keep)
+    tile_ok = (num_bad == 0).to(tl.int32)
+    _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
+                HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, BLOCK_N, BLOCK_K)
+    _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
+                HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, BLOCK_N, BLOCK_K)
+    _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
+                HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, BLOCK_N, BLOCK_K)
     tl.store(flag_ptr + tile_id, num_bad)
 
 
 @triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
-def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, T, N, K,
+def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
+                                flag_ptr, T, N, K, KB,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn,
                                 h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-                                W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                                W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
+                                STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 UPCAST_OPERANDS: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -111,17 +155,20 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, fl
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
-    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                   offs_n, offs_k, mask_n, mask_k, K, KB,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
-                   RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC)
+                   RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
+                   BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
-def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, N, K,
+def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, N, K, KB,
                        h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-                       W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       NONNEGATIVE: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
@@ -132,9 +179,11 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, N, K,
     mask_k = offs_k < K
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
-    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, tile_id, offs_n, offs_k, mask_n, mask_k, K,
+    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                   offs_n, offs_k, mask_n, mask_k, K, KB,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
-                   RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC)
+                   RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
+                   BLOCK_N, BLOCK_K)
 
 
 def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: int):
@@ -170,35 +219,44 @@ class _Epilogue:
         self.scalars = rule.scalars(step)
         layout = rule.slot_layout
         assert len(layout) == NUM_SLOTS
+        q8 = rule.state_format(state) == "q8"
+        if q8 and self.config.block_k < Q8_BLOCK_COLUMNS:
+            raise ValueError(f"q8 state needs block_k >= {Q8_BLOCK_COLUMNS} (a tile must hold whole q8 blocks); "
+                             f"config has block_k={self.config.block_k}")
         # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
         self.slot_tensors = [state[name] if name is not None else weight for name in layout]
+        self.exponent_tensors = [state[name + EXPONENT_SUFFIX] if q8 and name is not None else weight
+                                 for name in layout]
+        self.table = q8_table(weight.device) if q8 else weight
         self.rule_args = dict(
             RULE=rule.update, VARIANT=rule.variant,
             HAS_S0=layout[0] is not None, HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None,
-            W_BF16=weight.dtype == torch.bfloat16,
-            S_BF16=any(state[name].dtype == torch.bfloat16 for name in rule.slots),
-            STOCHASTIC=rounding == "stochastic")
+            W_BF16=weight.dtype == torch.bfloat16, S_BF16=rule.state_format(state) == "bf16", S_Q8=q8,
+            STOCHASTIC=rounding == "stochastic",
+            NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
         # One independent stream per output (weight, s0, s1, s2) and step.
         self.seeds = [stream_seed(seed, step, output) for output in range(1 + NUM_SLOTS)]
         N, K = weight.shape
+        self.blocks_per_row = triton.cdiv(K, Q8_BLOCK_COLUMNS)
         self.grid = (triton.cdiv(N, self.config.block_n), triton.cdiv(K, self.config.block_k))
         self.flags = torch.empty(self.grid[0] * self.grid[1], dtype=torch.int32, device=weight.device)
 
     def apply(self, grad, weight):
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
         N, K = weight.shape
-        _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, self.flags, N, K, *self.scalars,
-                                      *self.seeds, **self.rule_args, BLOCK_N=self.config.block_n,
-                                      BLOCK_K=self.config.block_k, **self.config.launch_options())
+        _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.table,
+                                      self.flags, N, K, self.blocks_per_row, *self.scalars, *self.seeds,
+                                      **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
+                                      **self.config.launch_options())
 
     def fused(self, x, dy, weight):
         T, K = x.shape
         N = weight.shape[0]
         config = self.config
         _fused_weight_update_kernel[self.grid](
-            x, dy, weight, *self.slot_tensors, self.flags, T, N, K,
-            x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *self.scalars, *self.seeds, **self.rule_args,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
+            x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, T, N, K,
+            self.blocks_per_row, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *self.scalars, *self.seeds,
+            **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
 
     def raise_if_flagged(self, weight):

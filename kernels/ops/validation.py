@@ -82,7 +82,7 @@ def check_weight_and_state(weight, state, rule, read=()):
             f"{'interpreter' if interpreting() else 'compiler'}: import forge_kernels before defining kernels "
             "(or set TRITON_INTERPRET yourself before importing triton)")
     rule.check_state(state, weight)
-    written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in rule.slots]
+    written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in sorted(state)]
     for i, (name_a, a) in enumerate(written):
         for name_b, b in written[i + 1:] + list(read):
             if overlaps(a, b):

@@ -19,6 +19,7 @@ def adagrad_update(w, g, state_sum, unused1, unused2, clr, weight_decay, eps, h3
 
 class Adagrad(Rule):
     update = adagrad_update
+    nonnegative = ("sum",)
 
     def __init__(self, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10):
         self.lr = lr

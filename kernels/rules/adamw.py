@@ -23,6 +23,7 @@ def adamw_update(w, g, m, v, unused, decay, beta1, one_minus_beta1, beta2, one_m
 
 class AdamW(Rule):
     update = adamw_update
+    nonnegative = ("exp_avg_sq",)
 
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         self.lr = lr

@@ -26,6 +26,8 @@ from numbers import Real
 import numpy as np
 import torch
 
+from .. import q8
+
 NUM_SLOTS = 3
 NUM_SCALARS = 8
 STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,6 +61,9 @@ class Rule:
 
     #: the rule's ``@triton.jit`` update function (see the module docstring)
     update = None
+
+    #: slots that only ever hold values >= 0 (q8 stores them with the unsigned map)
+    nonnegative = ()
 
     @property
     def slot_layout(self) -> tuple:
@@ -109,14 +114,33 @@ class Rule:
 
     def init_state(self, weight: torch.Tensor, state_format: str = "fp32") -> dict:
         """Fresh optimizer state for ``weight``: one tensor per slot, like torch.optim's,
-        stored as ``state_format`` ("fp32" or "bf16"; the rule computes in fp32 either way)."""
+        stored as ``state_format``: "fp32", "bf16", or "q8" (uint8 codes plus an int8
+        exponent per block, ``forge_kernels.q8``; the slot's exponents are the entry
+        ``<slot>_exponent``). The rule computes in fp32 in every format."""
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"init_state expects the weight tensor, got {type(weight).__name__}")
-        if state_format not in STATE_FORMATS:
-            raise ValueError(f"state_format must be one of {tuple(STATE_FORMATS)}, got {state_format!r}")
-        return {name: torch.full_like(weight, self.initial_value(name), dtype=STATE_FORMATS[state_format],
-                                      memory_format=torch.contiguous_format)
-                for name in self.slots}
+        if state_format not in (*STATE_FORMATS, "q8"):
+            raise ValueError(f"state_format must be one of {(*STATE_FORMATS, 'q8')}, got {state_format!r}")
+        if state_format != "q8":
+            return {name: torch.full_like(weight, self.initial_value(name), dtype=STATE_FORMATS[state_format],
+                                          memory_format=torch.contiguous_format)
+                    for name in self.slots}
+        if weight.dim() != 2:
+            raise ValueError(f"q8 state is laid out for 2-D weights, got shape {tuple(weight.shape)}")
+        state = {}
+        for name in self.slots:
+            start = torch.full(weight.shape, self.initial_value(name), dtype=torch.float32)
+            codes, exponents = q8.encode(start, signed=name not in self.nonnegative)
+            state[name] = codes.to(weight.device)
+            state[name + q8.EXPONENT_SUFFIX] = exponents.to(weight.device)
+        return state
+
+    def state_format(self, state: dict) -> str:
+        """"fp32", "bf16" or "q8": the format of a state made by ``init_state``."""
+        if not self.slots:
+            return "fp32"
+        dtype = state[self.slots[0]].dtype
+        return "q8" if dtype == torch.uint8 else {v: k for k, v in STATE_FORMATS.items()}.get(dtype, str(dtype))
 
     def initial_value(self, slot: str) -> float:
         """The value a fresh state slot starts from (0 unless a rule says otherwise)."""
@@ -127,15 +151,32 @@ class Rule:
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict of tensors (from {type(self).__name__}.init_state), "
                             f"got {type(state).__name__}")
-        expected, got = set(self.slots), set(state)
+        q8_state = bool(self.slots) and isinstance(state.get(self.slots[0]), torch.Tensor) and \
+            state[self.slots[0]].dtype == torch.uint8
+        expected = set(self.slots) | ({name + q8.EXPONENT_SUFFIX for name in self.slots} if q8_state else set())
+        got = set(state)
         if expected != got:
             raise ValueError(f"state has slots {sorted(got)} but {self!r} keeps {sorted(expected)}; "
                              "was it made by another rule or another configuration of this one?")
-        for name in self.slots:
+        for name in sorted(expected):
             tensor = state[name]
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"state[{name!r}] must be a tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in STATE_FORMATS.values():
+                raise TypeError(f"state[{name!r}] is {type(tensor).__name__}, not a tensor")
+            if tensor.device != weight.device:
+                raise ValueError(f"state[{name!r}] is on {tensor.device}, the weight on {weight.device}")
+            if not tensor.is_contiguous():
+                raise ValueError(f"state[{name!r}] must be contiguous (it is written in place)")
+        for name in self.slots:
+            tensor = state[name]
+            if q8_state:
+                if tensor.dtype != torch.uint8:
+                    raise TypeError(f"state[{name!r}] is {tensor.dtype}; q8 codes are uint8")
+                exponents = state[name + q8.EXPONENT_SUFFIX]
+                if exponents.dtype != torch.int8 or tuple(exponents.shape) != q8.exponent_shape(weight.shape):
+                    raise ValueError(f"state[{name + q8.EXPONENT_SUFFIX!r}] must be int8 of shape "
+                                     f"{q8.exponent_shape(weight.shape)}, got {exponents.dtype} "
+                                     f"{tuple(exponents.shape)}")
+            elif tensor.dtype not in STATE_FORMATS.values():
                 raise TypeError(f"state[{name!r}] is {tensor.dtype}; state is stored as float32 or bfloat16")
             if tensor.dtype != state[self.slots[0]].dtype:
                 raise TypeError(f"state slots mix dtypes ({state[self.slots[0]].dtype} and {tensor.dtype}); "
@@ -143,10 +184,6 @@ class Rule:
             if tensor.shape != weight.shape:
                 raise ValueError(f"state[{name!r}] has shape {tuple(tensor.shape)}, "
                                  f"the weight {tuple(weight.shape)}")
-            if tensor.device != weight.device:
-                raise ValueError(f"state[{name!r}] is on {tensor.device}, the weight on {weight.device}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"state[{name!r}] must be contiguous (it is written in place)")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())

@@ -28,6 +28,7 @@ def rmsprop_update(w, g, square_avg, buf, grad_avg, lr, alpha, one_minus_alpha, 
 
 class RMSprop(Rule):
     update = rmsprop_update
+    nonnegative = ("square_avg",)
 
     def __init__(self, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False):
         self.lr = lr

@@ -1,0 +1,124 @@
+"""The q8 state format: codes equal the host reference exactly, 2.06 bytes per
+parameter for AdamW, small second moments stay distinguishable from zero, checkpoints
+round-trip bit for bit, and bad q8 input is refused."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import forge_kernels as fk
+from forge_kernels import q8
+from forge_verify import assert_bitwise_equal
+from forge_verify.claims import decoded_state
+
+
+def _problem(device, n=24, k=70, t=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, k, generator=gen).to(device), torch.randn(t, n, generator=gen).to(device),
+            torch.randn(n, k, generator=gen).to(device))
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("rule", [fk.AdamW(lr=1e-2), fk.RMSprop(momentum=0.5, centered=True), fk.Adagrad()],
+                         ids=repr)
+def test_kernel_codes_equal_the_host_encoding_of_the_fp32_step(rule, device):
+    """One q8 step from state S equals, code for code, the host encoding of the fp32 step
+    taken from decode(S): decoding is exact (a level times a power of two), the rule's fp32
+    arithmetic is the same epilogue, and encoding is comparisons against fixed midpoints."""
+    x, dy, w = _problem(device)
+    state = rule.init_state(w, state_format="q8")
+    for step in (1, 2):
+        fk.fused_weight_update(x, dy, w.clone(), state, rule, step)  # move the q8 state off its start
+    fp32_state = {k: v.to(device) for k, v in decoded_state(rule, state).items()}
+    w_q8, w_fp32 = w.clone(), w.clone()
+    fk.fused_weight_update(x, dy, w_q8, state, rule, 3)
+    fk.fused_weight_update(x, dy, w_fp32, fp32_state, rule, 3)
+    assert_bitwise_equal(w_q8, w_fp32, "weight")
+    for slot in rule.slots:
+        codes, exponents = q8.encode(fp32_state[slot], signed=slot not in rule.nonnegative)
+        assert_bitwise_equal(state[slot].cpu(), codes, f"{slot} codes")
+        assert_bitwise_equal(state[slot + q8.EXPONENT_SUFFIX].cpu(), exponents, f"{slot} exponents")
+
+
+def test_adamw_state_takes_at_most_2_1_bytes_per_parameter():
+    state = fk.AdamW().init_state(torch.zeros(64, 4096), state_format="q8")
+    per_param = sum(t.numel() * t.element_size() for t in state.values()) / (64 * 4096)
+    assert per_param == 2 + 2 / q8.BLOCK and per_param <= 2.1
+
+
+def test_small_second_moments_stay_nonzero(device):
+    """Rows whose gradients span five decades (second moments: ten, inside the unsigned
+    map's 2**-40 range): every second moment keeps a nonzero code, within the map's
+    relative step. A linear absmax int8 code (the FORGE release's format) rounds most of
+    them to zero, and the update would then divide by eps alone."""
+    g = torch.logspace(-5, 0, 32).repeat(8, 1)          # the gradient we want: (8, 32)
+    x = torch.eye(32, device=device)                     # T = 32 tokens, one per column
+    dy = g.T.contiguous().to(device)                     # dW = dyᵀ x = g
+    w = torch.zeros(8, 32, device=device)                # one q8 block per row
+    rule = fk.AdamW(lr=1e-3)
+    state = rule.init_state(w, state_format="q8")
+    fk.fused_weight_update(x, dy, w, state, rule, 1)
+    v = decoded_state(rule, state)["exp_avg_sq"].cpu()
+    exact = (1 - 0.999) * g.square()
+    assert torch.all(state["exp_avg_sq"] > 0)
+    assert torch.all((v - exact).abs() <= 0.06 * exact)
+    linear = torch.round(exact / exact.amax(dim=1, keepdim=True) * 127)
+    assert int((linear == 0).sum()) >= 8 * 20
+
+
+def test_q8_needs_whole_blocks_per_tile(device):
+    x, dy, w = _problem(device)
+    rule = fk.AdamW()
+    with pytest.raises(ValueError, match="q8 state needs block_k >= 32"):
+        fk.fused_weight_update(x, dy, w, rule.init_state(w, "q8"), rule, 1, config=fk.TileConfig(block_k=16))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.update(exp_avg_exponent=s["exp_avg_exponent"][:, :1].contiguous()), "must be int8 of shape"),
+    (lambda s: s.update(exp_avg_exponent=s["exp_avg_exponent"].to(torch.int16)), "must be int8 of shape"),
+    (lambda s: s.pop("exp_avg_sq_exponent"), "was it made by another rule"),
+])
+def test_malformed_q8_state_is_refused(damage, message, device):
+    x, dy, w = _problem(device)
+    rule = fk.AdamW()
+    state = rule.init_state(w, "q8")
+    damage(state)
+    with pytest.raises((TypeError, ValueError), match=message):
+        fk.fused_weight_update(x, dy, w, state, rule, 1)
+
+
+def test_initial_accumulator_is_encoded(device):
+    state = fk.Adagrad(initial_accumulator_value=0.1).init_state(torch.zeros(3, 40, device=device), "q8")
+    values = decoded_state(fk.Adagrad(), state)["sum"]
+    assert torch.all((values - 0.1).abs() <= 0.06 * 0.1)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
+def test_checkpoint_resume_takes_the_identical_next_step(state_format, device):
+    """state_dict() of a fused model round-trips bit for bit, and the resumed model's next
+    step equals the uninterrupted one's."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(40, 64), nn.GELU(), nn.Linear(64, 32)).to(device)
+    batches = [torch.randn(5, 40, device=device) for _ in range(3)]
+
+    def train(model, xs):
+        for x in xs:
+            model(x).square().mean().backward()
+            for p in model.parameters():
+                p.grad = None
+
+    kwargs = dict(state_format=state_format, seed=9)
+    running = fk.fuse(copy.deepcopy(base), fk.AdamW(lr=1e-2), **kwargs)
+    train(running, batches[:2])
+    checkpoint = {k: v.clone() for k, v in running.state_dict().items()}
+    resumed = fk.fuse(copy.deepcopy(base), fk.AdamW(lr=1e-2), **kwargs)
+    resumed.load_state_dict(checkpoint)
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), checkpoint.items()):
+        assert_bitwise_equal(a, b, f"loaded {name}")
+    train(running, batches[2:])
+    train(resumed, batches[2:])
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), running.state_dict().items()):
+        assert_bitwise_equal(a, b, f"after resume: {name}")
