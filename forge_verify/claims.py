@@ -2,12 +2,14 @@
 AssertionError with a precise message when the claim fails. Properties draw the
 problems; ``forge-verify check`` and later the gate call the same functions."""
 
+import mpmath
 import torch
 
 import forge_kernels as fk
 
 from .bits import assert_bitwise_equal, ulp_distance
 from .interval import Interval
+from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
 from .problems import FP32, make_inputs, run_rule
 from .reference import ENCLOSURE, POINT, reference_step, weight_grad, weight_grad_enclosure
 
@@ -66,11 +68,8 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     state = decoded_state(rule, state)
     w0 = inputs.weight.detach().cpu()
     s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
-    w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
     w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
-    for step, (x, dy) in enumerate(inputs.batches, start=1):
-        w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
-        w_enc, s_enc = _stored(rule, regime, w0.dtype, w_enc, s_enc)
+    for step, x, dy, w_enc, s_enc in _enclosure_trajectory(rule, regime, backend, inputs):
         w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
     what = f"[{rule!r}; {problem.describe()}; {config}]"
     _assert_inside(w_enc, weight, f"kernel weight {what}")
@@ -87,25 +86,29 @@ def exact_inside_enclosure(problem, rule, backend, *, regime=FP32) -> None:
     """The exact trajectory (exact gradients, the rule in mpmath at 113 bits) lies inside
     the enclosure at every step: the enclosure bounds the real-number step, not merely
     the float64 one."""
-    import mpmath
-
-    from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
-
     inputs = make_inputs(problem, torch.device("cpu"), regime)
-    w0 = inputs.weight
-    s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
-    w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
+    s0 = decoded_state(rule, rule.init_state(inputs.weight, state_format=regime.state_format))
     with mpmath.workprec(PRECISION_BITS):
-        w_mp, s_mp = MPMATH.value(w0), {k: MPMATH.value(v) for k, v in s0.items()}
-        for step, (x, dy) in enumerate(inputs.batches, start=1):
-            w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
-            w_enc, s_enc = _stored(rule, regime, w0.dtype, w_enc, s_enc)
+        w_mp, s_mp = MPMATH.value(inputs.weight), {k: MPMATH.value(v) for k, v in s0.items()}
+        for step, x, dy, w_enc, s_enc in _enclosure_trajectory(rule, regime, backend, inputs):
             w_mp, s_mp = reference_step(rule, w_mp, exact_weight_grad(x, dy), s_mp, step, MPMATH)
             what = f"exact trajectory at step {step} [{rule!r}; {problem.describe()}; {regime.describe()}]"
-            # Rounded to float64 outward: the exact value lies between the two neighbours.
+            # to_float64 rounds the 113-bit value to the nearest float64; the enclosure's
+            # slack (an fp32 rounding per operation) is far wider than that.
             _assert_inside(w_enc, torch.from_numpy(to_float64(w_mp)), what)
             for slot in rule.slots:
                 _assert_inside(s_enc[slot], torch.from_numpy(to_float64(s_mp[slot])), f"{what}: state[{slot!r}]")
+
+
+def _enclosure_trajectory(rule, regime, backend, inputs):
+    """(step, x, dy, weight enclosure, state enclosures) after each step of ``inputs``."""
+    w0 = inputs.weight.detach().cpu()
+    s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
+    w_enc, s_enc = ENCLOSURE.value(w0), {k: ENCLOSURE.value(v) for k, v in s0.items()}
+    for step, (x, dy) in enumerate(inputs.batches, start=1):
+        w_enc, s_enc = reference_step(rule, w_enc, weight_grad_enclosure(x, dy, backend), s_enc, step, ENCLOSURE)
+        w_enc, s_enc = _stored(rule, regime, w0.dtype, w_enc, s_enc)
+        yield step, x, dy, w_enc, s_enc
 
 
 def decoded_state(rule, state) -> dict:

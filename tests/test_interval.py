@@ -99,12 +99,12 @@ def test_torch_optim_distance_is_zero_where_the_operation_order_is_the_same(devi
 def test_exact_trajectory_check_resolves_a_few_fp32_ulps(monkeypatch, backend):
     """The mpmath property is not vacuous: an exact trajectory off by one part in a
     million (about eight fp32 ulps) is reported outside the enclosure."""
-    from forge_verify import mpref
+    from forge_verify import claims as claims_module
 
     problem = Problem(tokens=16, out_features=6, in_features=6, dtype=torch.float32, steps=2, seed=2)
     rule = fk.SGD(lr=0.1, momentum=0.9)
     claims.exact_inside_enclosure(problem, rule, backend)
-    exact = mpref.to_float64
-    monkeypatch.setattr(mpref, "to_float64", lambda values: exact(values) * (1 + 1e-6))
+    exact = claims_module.to_float64
+    monkeypatch.setattr(claims_module, "to_float64", lambda values: exact(values) * (1 + 1e-6))
     with pytest.raises(AssertionError, match="outside the proven enclosure"):
         claims.exact_inside_enclosure(problem, rule, backend)
