@@ -8,7 +8,11 @@ exact trajectory (exact gradients, the rule in mpmath at 113 bits, nothing round
   gradient stored in the weight's dtype, then the same epilogue (``fk.apply_rule``);
 * ``torch.optim``: ``torch.optim.AdamW`` with parameter, gradient and state in the
   weight's dtype, where that matches the regime (state stored like the weight,
-  rounded to nearest).
+  rounded to nearest);
+* ``torchao 8-bit``: torchao's ``AdamW8bit`` (block-wise 8-bit states with a dynamic
+  map, blocks of 256) for the q8 regimes, when torchao is installed and really keeps
+  8-bit state: it keeps fp32 state for tensors under 4,096 elements, and such rows are
+  left out rather than reported as 8-bit.
 
 Errors are measured on the weight, in ulps of the weight's dtype at the exact value:
 the largest, the median, the bias and the spread, and the RMS error relative to the
@@ -73,6 +77,15 @@ def _measure(regime_name, method, steps, weight, exact, w0, dtype) -> Deviation:
                      float(along.mean()), float(along.std()), float(np.sqrt(np.mean(error**2)) / change))
 
 
+def _torchao_adamw8bit():
+    """torchao's AdamW8bit, or None where torchao is not installed."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        return None
+    return AdamW8bit
+
+
 def _torch_optim_applies(regime: Regime) -> bool:
     if regime.state_format == "q8":
         return False
@@ -120,12 +133,16 @@ def _run_methods(name, regime, rule, base, w0, exact, checkpoints):
     rows = []
     start = w0.detach().cpu().double().numpy()
     methods = ["forge", "standard"] + (["torch.optim"] if _torch_optim_applies(regime) else [])
+    torchao_adamw8bit = _torchao_adamw8bit()
+    if regime.state_format == "q8" and torchao_adamw8bit is not None:
+        methods.append("torchao 8-bit")
     for method in methods:
         weight = w0.clone()
         state = rule.init_state(weight, state_format=regime.state_format)
         param = torch.nn.Parameter(w0.clone())
-        optimizer = torch.optim.AdamW([param], lr=rule.lr, betas=rule.betas, eps=rule.eps,
-                                      weight_decay=rule.weight_decay, foreach=False)
+        hyper = dict(lr=rule.lr, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay)
+        optimizer = (torchao_adamw8bit([param], **hyper) if method == "torchao 8-bit"
+                     else torch.optim.AdamW([param], **hyper, foreach=False))
         for step, (x, dy) in enumerate(base.batches, start=1):
             if method == "forge":
                 fk.fused_weight_update(x, dy, weight, state, rule, step, rounding=regime.rounding, seed=regime.seed)
@@ -138,4 +155,6 @@ def _run_methods(name, regime, rule, base, w0, exact, checkpoints):
                 weight = param.detach()
             if step in checkpoints:
                 rows.append(_measure(name, method, step, weight, exact[step], start, regime.weight))
+        if method == "torchao 8-bit" and type(optimizer.state[param]["exp_avg"]).__name__ != "OptimState8bit":
+            rows = [row for row in rows if row.method != method]
     return rows
