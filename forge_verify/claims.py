@@ -17,8 +17,10 @@ from .reference import ENCLOSURE, POINT, reference_step, weight_grad, weight_gra
 def _assert_same_update(a, b, rule, what):
     (w_a, s_a), (w_b, s_b) = a, b
     assert_bitwise_equal(w_a, w_b, f"{what}: weight")
-    for slot in rule.slots:
-        assert_bitwise_equal(s_a[slot], s_b[slot], f"{what}: state[{slot!r}]")
+    if set(s_a) != set(s_b):
+        raise AssertionError(f"{what}: state entries {sorted(s_a)} != {sorted(s_b)}")
+    for key in sorted(s_a):  # every slot, and in q8 each slot's exponents
+        assert_bitwise_equal(s_a[key], s_b[key], f"{what}: state[{key!r}]")
 
 
 def fused_matches_oracle(problem, rule, config, device, *, regime=FP32, oracle_rule=None):

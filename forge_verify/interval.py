@@ -136,13 +136,18 @@ class Interval:
         levels = (q8.SIGNED_LEVELS if signed else q8.UNSIGNED_LEVELS).astype(np.float64)
         positive = levels[levels > 0]
         negative = -levels[levels < 0][::-1]
-        relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1]))) for m in (positive, negative) if m.size > 1)
+        # + 2^-23: the midpoints the kernel compares with are fp32-rounded, which moves the
+        # worst case a hair past (b - a)/(b + a).
+        relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1]))) for m in (positive, negative)
+                       if m.size > 1) + 2.0**-23
         smallest = float(min(positive.min(), negative.min() if negative.size else np.inf))
         magnitude = torch.maximum(self.lo.abs(), self.hi.abs())
         rows, cols = magnitude.shape
         pad = (-cols) % q8.BLOCK
         blocks = torch.nn.functional.pad(magnitude, (0, pad)).reshape(rows, -1, q8.BLOCK).amax(dim=2)
-        floor = (2 * smallest * blocks).repeat_interleave(q8.BLOCK, dim=1)[:, :cols]
+        # + 2^-149: a block below 2^-126 has its exponent clamped, and decoding rounds again
+        # into the fp32 subnormals.
+        floor = (2 * smallest * blocks + 2.0**-149).repeat_interleave(q8.BLOCK, dim=1)[:, :cols]
         wide_lo = _down(self.lo - (relative * self.lo.abs() + floor))
         wide_hi = _up(self.hi + (relative * self.hi.abs() + floor))
         return Interval(torch.where(self.lo >= 0, wide_lo.clamp_min(0), wide_lo),

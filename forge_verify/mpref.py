@@ -18,6 +18,7 @@ PRECISION_BITS = 113
 
 _sqrt = np.vectorize(mpmath.sqrt, otypes=[object])
 _sign = np.vectorize(lambda v: mpmath.mpf(mpmath.sign(v)), otypes=[object])
+_clamp = np.vectorize(lambda v: max(v, mpmath.mpf(0)), otypes=[object])
 
 
 class _MP:
@@ -40,6 +41,10 @@ class _MP:
     @staticmethod
     def sign(x):
         return _sign(x)
+
+    @staticmethod
+    def clamp_nonnegative(x):
+        return _clamp(x)
 
 
 MPMATH = _MP()

@@ -41,6 +41,10 @@ class _Point:
     def sign(x):
         return torch.sign(x)
 
+    @staticmethod
+    def clamp_nonnegative(x):
+        return x.clamp_min(0)
+
 
 class _Enclosure:
     name = "enclosure"
@@ -60,6 +64,11 @@ class _Enclosure:
     @staticmethod
     def sign(x):
         return x.sign()
+
+    @staticmethod
+    def clamp_nonnegative(x):
+        # max(., 0) is exact and monotone: clamp both ends.
+        return Interval(x.lo.clamp_min(0), x.hi.clamp_min(0))
 
 
 POINT = _Point()
@@ -104,7 +113,7 @@ def _rmsprop(A, w, g, s, rule, step):
     state = {"square_avg": square_avg}
     if rule.centered:
         grad_avg = A.const(alpha) * s["grad_avg"] + A.const(1.0 - alpha) * d
-        avg = A.sqrt(square_avg - grad_avg * grad_avg) + A.const(rule.eps)
+        avg = A.sqrt(A.clamp_nonnegative(square_avg - grad_avg * grad_avg)) + A.const(rule.eps)
         state["grad_avg"] = grad_avg
     else:
         avg = A.sqrt(square_avg) + A.const(rule.eps)

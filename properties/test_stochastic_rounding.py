@@ -67,7 +67,9 @@ def test_round_up_frequency_matches_exact_probability(device):
     samples rounded away from zero is within a Hoeffding radius of f / 2**16."""
     rng = np.random.default_rng(0)
     fractions = np.concatenate([[1, 2**15, 2**16 - 1], rng.integers(0, 2**16, 61)]).astype(np.uint32)
-    heads = rng.integers(0, 2**16, fractions.size).astype(np.uint32) & 0x7F7F  # finite, either sign
+    # Any sign and exponent, finite, and not the largest finite magnitude (whose up-rounding is inf).
+    heads = rng.integers(0, 2**16, 4 * fractions.size).astype(np.uint32)
+    heads = heads[((heads & 0x7F80) != 0x7F80) & ((heads & 0x7FFF) != 0x7F7F)][:fractions.size]
     samples = 2**16
     values = _fp32_from_bits(np.repeat((heads << 16) | fractions, samples))
     out = _bf16_bits(fk.stochastic_round(values.to(device), seed=11)).reshape(fractions.size, samples)

@@ -15,7 +15,9 @@ def rmsprop_update(w, g, square_avg, buf, grad_avg, lr, alpha, one_minus_alpha, 
     square_avg = alpha * square_avg + one_minus_alpha * (d * d)
     if VARIANT & 2:
         grad_avg = alpha * grad_avg + one_minus_alpha * d
-        avg = tl.sqrt_rn(square_avg - grad_avg * grad_avg) + eps
+        # E[d^2] - E[d]^2 >= 0 exactly, but rounding (bf16 or q8 state especially) can push
+        # it below zero, where torch.optim would take the square root of a negative number.
+        avg = tl.sqrt_rn(tl.maximum(square_avg - grad_avg * grad_avg, 0.0)) + eps
     else:
         avg = tl.sqrt_rn(square_avg) + eps
     if VARIANT & 1:
