@@ -15,6 +15,7 @@ import pytest
 import forge_kernels as fk
 
 from . import observations
+from .tables import render_table
 from .torch_optim import measure
 
 #: environment variable naming the hypothesis profile (forge_verify.hypothesis_profiles)
@@ -39,14 +40,6 @@ def _split(nodeid: str):
     return match["prop"].removeprefix("test_"), match["param"] or "-"
 
 
-def _render(header, lines) -> str:
-    lines = [header, *lines]
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def format_table(rows) -> str:
     lines = []
     for nodeid, verdict in rows.items():
@@ -54,12 +47,12 @@ def format_table(rows) -> str:
         seen = observations.observed(nodeid)
         worst = f"{max(seen):g} ulp" if seen else "-"
         lines.append((prop, param, str(len(seen)), "holds" if verdict == "passed" else verdict.upper(), worst))
-    return _render(("property", "rule/case", "examples", "verdict", "worst deviation"), lines)
+    return render_table(("property", "rule/case", "examples", "verdict", "worst deviation"), lines)
 
 
 def format_torch_optim_table(rows) -> str:
     lines = [(name, dtype, f"{median:g}", str(worst), f"{scaled:.2f}") for name, dtype, median, worst, scaled in rows]
-    return _render(("rule", "activations", "median ulp", "max ulp", "max |diff| / (eps max|w|)"), lines)
+    return render_table(("rule", "activations", "median ulp", "max ulp", "max |diff| / (eps max|w|)"), lines)
 
 
 def run_check(marker: str = "not slow", extra_args=()) -> int:

@@ -4,7 +4,13 @@ import argparse
 import os
 import sys
 
+import torch
+
+import forge_kernels as fk
+
 from .check import PROFILE_VARIABLE, run_check
+from .deviation import deviation_table, format_rows
+from .problems import Problem
 
 
 def main(argv=None) -> int:
@@ -30,13 +36,6 @@ def main(argv=None) -> int:
         extra = ["-k", args.keyword] if args.keyword else []
         return run_check(extra_args=extra)
     if args.command == "deviation":
-        import torch
-
-        import forge_kernels as fk
-
-        from .deviation import deviation_table, format_rows
-        from .problems import Problem
-
         checkpoints = tuple(int(s) for s in args.steps.split(","))
         rule = fk.AdamW(lr=args.lr, weight_decay=0.01)
         problem = Problem(args.tokens, args.size, args.size, torch.bfloat16, max(checkpoints), args.seed)

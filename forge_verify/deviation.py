@@ -33,6 +33,7 @@ import forge_kernels as fk
 from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
 from .problems import Problem, Regime, make_inputs
 from .reference import reference_step
+from .tables import render_table
 
 REGIMES = {
     "fp32 weight, fp32 state": Regime(),
@@ -95,12 +96,9 @@ def _torch_optim_applies(regime: Regime) -> bool:
 
 def format_rows(rows) -> str:
     header = ("regime", "method", "steps", "max ulp", "median ulp", "bias ulp", "spread ulp", "rms / change")
-    lines = [header] + [(r.regime, r.method, str(r.steps), f"{r.max_ulp:.2f}", f"{r.median_ulp:.2f}",
-                         f"{r.bias_ulp:+.3f}", f"{r.spread_ulp:.3f}", f"{r.relative_rms:.3g}") for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return render_table(header, [(r.regime, r.method, str(r.steps), f"{r.max_ulp:.2f}", f"{r.median_ulp:.2f}",
+                                  f"{r.bias_ulp:+.3f}", f"{r.spread_ulp:.3f}", f"{r.relative_rms:.3g}")
+                                 for r in rows])
 
 
 def deviation_table(rule: fk.AdamW, problem: Problem, checkpoints=(1, 10, 100), regimes=REGIMES,

@@ -9,7 +9,10 @@ any fp32 evaluation of the same operation sequence, fused multiply-adds included
 (an FMA rounds once where the model allows twice). See proofs/reference_enclosure.md.
 """
 
+import numpy as np
 import torch
+
+from forge_kernels import q8
 
 from .tolerances import BF16_SUBNORMAL_SPACING, FP32_UNDERFLOW, UNIT_ROUNDOFF
 
@@ -29,6 +32,21 @@ def _up(t):
 
 def _as_tensor(value):
     return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=_F64)
+
+
+def _q8_store_error(levels: np.ndarray) -> tuple:
+    """(largest relative error of a nearest-level store, smallest nonzero level magnitude).
+    The + 2^-23 covers the fp32 rounding of the midpoints the kernel compares with, which
+    moves the worst case a hair past (b - a)/(b + a)."""
+    levels = levels.astype(np.float64)
+    positive = levels[levels > 0]
+    negative = -levels[levels < 0][::-1]
+    relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1]))) for m in (positive, negative) if m.size > 1)
+    smallest = float(min(positive.min(), negative.min() if negative.size else np.inf))
+    return relative + 2.0**-23, smallest
+
+
+_Q8_STORE_ERROR = {True: _q8_store_error(q8.SIGNED_LEVELS), False: _q8_store_error(q8.UNSIGNED_LEVELS)}
 
 
 class Interval:
@@ -129,18 +147,7 @@ class Interval:
         map, so a relative error up to max (b - a) / (b + a) over adjacent same-sign levels,
         plus, for values under the smallest level, up to that level times the block scale
         (at most twice the block's largest magnitude). Never across zero."""
-        import numpy as np
-
-        from forge_kernels import q8
-
-        levels = (q8.SIGNED_LEVELS if signed else q8.UNSIGNED_LEVELS).astype(np.float64)
-        positive = levels[levels > 0]
-        negative = -levels[levels < 0][::-1]
-        # + 2^-23: the midpoints the kernel compares with are fp32-rounded, which moves the
-        # worst case a hair past (b - a)/(b + a).
-        relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1]))) for m in (positive, negative)
-                       if m.size > 1) + 2.0**-23
-        smallest = float(min(positive.min(), negative.min() if negative.size else np.inf))
+        relative, smallest = _Q8_STORE_ERROR[signed]
         magnitude = torch.maximum(self.lo.abs(), self.hi.abs())
         rows, cols = magnitude.shape
         pad = (-cols) % q8.BLOCK

@@ -19,7 +19,7 @@ import torch
 import forge_kernels as fk
 
 from .interval import Interval
-from .tolerances import UNIT_ROUNDOFF, accumulation_rtol, gamma
+from .tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF, accumulation_rtol, gamma
 
 
 class _Point:
@@ -164,5 +164,6 @@ def weight_grad_enclosure(x: torch.Tensor, dy: torch.Tensor, backend: str) -> In
     rtol = accumulation_rtol(backend, x.dtype, T) + g64
     # A zero sum of absolute products means every product is exactly 0: so is the sum.
     # The (1 + 4 u64) factor rounds the float64 evaluation of the radius itself upward.
-    radius = torch.where(abs_sum == 0, 0.0, (rtol * abs_sum * (1 + g64) + T * 2.0**-126) * (1 + 4 * 2.0**-53))
+    radius = torch.where(abs_sum == 0, 0.0, (rtol * abs_sum * (1 + g64) + T * FP32_UNDERFLOW)
+                         * (1 + 4 * UNIT_ROUNDOFF[torch.float64]))
     return Interval.around(center, radius)

@@ -16,9 +16,7 @@ from .._backend import interpreting, on_device
 from ..config import PINNED, TileConfig
 from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
-from ..q8 import BLOCK as Q8_BLOCK_COLUMNS
-from ..q8 import EXPONENT_SUFFIX
-from ..q8 import table as q8_table
+from .. import q8
 from .q8_codec import Q8_BLOCK, q8_decode, q8_encode
 from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
 from .validation import check_finite_inputs, check_gradient, check_update_inputs, check_weight_and_state
@@ -219,25 +217,26 @@ class _Epilogue:
         self.scalars = rule.scalars(step)
         layout = rule.slot_layout
         assert len(layout) == NUM_SLOTS
-        q8 = rule.state_format(state) == "q8"
-        if q8 and self.config.block_k < Q8_BLOCK_COLUMNS:
-            raise ValueError(f"q8 state needs block_k >= {Q8_BLOCK_COLUMNS} (a tile must hold whole q8 blocks); "
+        state_format = rule.state_format(state)
+        q8_state = state_format == "q8"
+        if q8_state and self.config.block_k < q8.BLOCK:
+            raise ValueError(f"q8 state needs block_k >= {q8.BLOCK} (a tile must hold whole q8 blocks); "
                              f"config has block_k={self.config.block_k}")
         # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
         self.slot_tensors = [state[name] if name is not None else weight for name in layout]
-        self.exponent_tensors = [state[name + EXPONENT_SUFFIX] if q8 and name is not None else weight
+        self.exponent_tensors = [state[name + q8.EXPONENT_SUFFIX] if q8_state and name is not None else weight
                                  for name in layout]
-        self.table = q8_table(weight.device) if q8 else weight
+        self.table = q8.table(weight.device) if q8_state else weight
         self.rule_args = dict(
             RULE=rule.update, VARIANT=rule.variant,
             HAS_S0=layout[0] is not None, HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None,
-            W_BF16=weight.dtype == torch.bfloat16, S_BF16=rule.state_format(state) == "bf16", S_Q8=q8,
+            W_BF16=weight.dtype == torch.bfloat16, S_BF16=state_format == "bf16", S_Q8=q8_state,
             STOCHASTIC=rounding == "stochastic",
             NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
         # One independent stream per output (weight, s0, s1, s2) and step.
         self.seeds = [stream_seed(seed, step, output) for output in range(1 + NUM_SLOTS)]
         N, K = weight.shape
-        self.blocks_per_row = triton.cdiv(K, Q8_BLOCK_COLUMNS)
+        self.blocks_per_row = triton.cdiv(K, q8.BLOCK)
         self.grid = (triton.cdiv(N, self.config.block_n), triton.cdiv(K, self.config.block_k))
         self.flags = torch.empty(self.grid[0] * self.grid[1], dtype=torch.int32, device=weight.device)
 
