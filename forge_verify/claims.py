@@ -125,7 +125,7 @@ def _stored(rule, regime, weight_dtype, w_enc, s_enc):
     """The enclosures after the step's stores in the regime's formats."""
     w_enc = w_enc.stored(weight_dtype, regime.rounding)
     if regime.state_format == "q8":
-        s_enc = {k: v.stored_q8(signed=k not in rule.nonnegative) for k, v in s_enc.items()}
+        s_enc = {k: v.stored_q8(k not in rule.nonnegative, regime.rounding) for k, v in s_enc.items()}
     else:
         dtype = torch.bfloat16 if regime.state_format == "bf16" else torch.float32
         s_enc = {k: v.stored(dtype, regime.rounding) for k, v in s_enc.items()}

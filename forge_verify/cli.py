@@ -1,6 +1,7 @@
 """The ``forge-verify`` command."""
 
 import argparse
+import copy
 import os
 import sys
 
@@ -9,7 +10,7 @@ import torch
 import forge_kernels as fk
 
 from .check import PROFILE_VARIABLE, run_check
-from .deviation import deviation_table, format_rows
+from .deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
 from .problems import Problem
 
 
@@ -26,7 +27,10 @@ def main(argv=None) -> int:
     deviation.add_argument("--steps", default="1,10,100", help="checkpoints, comma-separated (default 1,10,100)")
     deviation.add_argument("--size", type=int, default=8, help="the weight is size x size (default 8)")
     deviation.add_argument("--tokens", type=int, default=32, help="tokens per step (default 32)")
-    deviation.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    deviation.add_argument("--rule", choices=sorted(DEVIATION_RULES), default="adamw",
+                           help="rule family, in the configuration forge_verify.deviation.RULES names "
+                                "(default adamw)")
+    deviation.add_argument("--lr", type=float, default=None, help="learning rate (default: the rule's, above)")
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
     args = parser.parse_args(argv)
 
@@ -37,7 +41,9 @@ def main(argv=None) -> int:
         return run_check(extra_args=extra)
     if args.command == "deviation":
         checkpoints = tuple(int(s) for s in args.steps.split(","))
-        rule = fk.AdamW(lr=args.lr, weight_decay=0.01)
+        rule = copy.copy(DEVIATION_RULES[args.rule])
+        if args.lr is not None:
+            rule.lr = args.lr
         problem = Problem(args.tokens, args.size, args.size, torch.bfloat16, max(checkpoints), args.seed)
         print(f"{rule!r}; weight {args.size}x{args.size}, {args.tokens} bf16 tokens per step, seed {args.seed}; "
               f"backend: {'Triton interpreter (CPU)' if fk.interpreting() else 'GPU'}")

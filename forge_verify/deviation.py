@@ -6,13 +6,13 @@ exact trajectory (exact gradients, the rule in mpmath at 113 bits, nothing round
 * ``forge``: the fused kernel (the gradient never leaves fp32 registers);
 * ``standard``: the materialized pipeline at the same storage precision: the kernel's
   gradient stored in the weight's dtype, then the same epilogue (``fk.apply_rule``);
-* ``torch.optim``: ``torch.optim.AdamW`` with parameter, gradient and state in the
-  weight's dtype, where that matches the regime (state stored like the weight,
-  rounded to nearest);
+* ``torch.optim``: the rule's torch.optim counterpart (Lion has none) with parameter,
+  gradient and state in the weight's dtype, where that matches the regime (state
+  stored like the weight, rounded to nearest);
 * ``torchao 8-bit``: torchao's ``AdamW8bit`` (block-wise 8-bit states with a dynamic
-  map, blocks of 256) for the q8 regimes, when torchao is installed and really keeps
-  8-bit state: it keeps fp32 state for tensors under 4,096 elements, and such rows are
-  left out rather than reported as 8-bit.
+  map, blocks of 256) for AdamW in the q8 regimes, when torchao is installed and really
+  keeps 8-bit state: it keeps fp32 state for tensors under 4,096 elements, and such
+  rows are left out rather than reported as 8-bit.
 
 Errors are measured on the weight, in ulps of the weight's dtype at the exact value:
 the largest, the median, the bias and the spread, and the RMS error relative to the
@@ -34,6 +34,16 @@ from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
 from .problems import Problem, Regime, make_inputs
 from .reference import reference_step
 from .tables import render_table
+from .torch_optim import torch_optimizer
+
+#: ``forge-verify deviation --rule``: one representative configuration per rule family.
+RULES = {
+    "adamw": fk.AdamW(lr=1e-3, weight_decay=0.01),
+    "sgd": fk.SGD(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "lion": fk.Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01),
+    "rmsprop": fk.RMSprop(lr=1e-3, momentum=0.9, centered=True),
+    "adagrad": fk.Adagrad(lr=1e-2),
+}
 
 REGIMES = {
     "fp32 weight, fp32 state": Regime(),
@@ -44,7 +54,8 @@ REGIMES = {
     "bf16 weight, bf16 state, nearest": Regime(weight=torch.bfloat16, state_format="bf16", rounding="nearest"),
     "bf16 weight, bf16 state, stochastic": Regime(weight=torch.bfloat16, state_format="bf16",
                                                   rounding="stochastic", seed=1),
-    "fp32 weight, q8 state": Regime(state_format="q8"),
+    "fp32 weight, q8 state, nearest": Regime(state_format="q8", rounding="nearest"),
+    "fp32 weight, q8 state, stochastic": Regime(state_format="q8", rounding="stochastic", seed=1),
     "bf16 weight, q8 state, stochastic": Regime(weight=torch.bfloat16, state_format="q8", rounding="stochastic",
                                                 seed=1),
 }
@@ -87,8 +98,8 @@ def _torchao_adamw8bit():
     return AdamW8bit
 
 
-def _torch_optim_applies(regime: Regime) -> bool:
-    if regime.state_format == "q8":
+def _torch_optim_applies(regime: Regime, rule) -> bool:
+    if regime.state_format == "q8" or torch_optimizer(torch.nn.Parameter(torch.zeros(1)), rule) is None:
         return False
     same_dtype = (regime.state_format == "bf16") == (regime.weight == torch.bfloat16)
     return same_dtype and (regime.weight == torch.float32 or regime.rounding == "nearest")
@@ -101,7 +112,7 @@ def format_rows(rows) -> str:
                                  for r in rows])
 
 
-def deviation_table(rule: fk.AdamW, problem: Problem, checkpoints=(1, 10, 100), regimes=REGIMES,
+def deviation_table(rule, problem: Problem, checkpoints=(1, 10, 100), regimes=REGIMES,
                     device=None) -> list:
     """Rows of :class:`Deviation` for every regime, method and checkpoint."""
     device = fk.kernel_device() if device is None else device
@@ -130,17 +141,19 @@ def deviation_table(rule: fk.AdamW, problem: Problem, checkpoints=(1, 10, 100), 
 def _run_methods(name, regime, rule, base, w0, exact, checkpoints):
     rows = []
     start = w0.detach().cpu().double().numpy()
-    methods = ["forge", "standard"] + (["torch.optim"] if _torch_optim_applies(regime) else [])
-    torchao_adamw8bit = _torchao_adamw8bit()
+    methods = ["forge", "standard"] + (["torch.optim"] if _torch_optim_applies(regime, rule) else [])
+    torchao_adamw8bit = _torchao_adamw8bit() if isinstance(rule, fk.AdamW) else None
     if regime.state_format == "q8" and torchao_adamw8bit is not None:
         methods.append("torchao 8-bit")
     for method in methods:
         weight = w0.clone()
         state = rule.init_state(weight, state_format=regime.state_format)
         param = torch.nn.Parameter(w0.clone())
-        hyper = dict(lr=rule.lr, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay)
-        optimizer = (torchao_adamw8bit([param], **hyper) if method == "torchao 8-bit"
-                     else torch.optim.AdamW([param], **hyper, foreach=False))
+        if method == "torchao 8-bit":
+            optimizer = torchao_adamw8bit([param], lr=rule.lr, betas=rule.betas, eps=rule.eps,
+                                          weight_decay=rule.weight_decay)
+        else:
+            optimizer = torch_optimizer(param, rule)
         for step, (x, dy) in enumerate(base.batches, start=1):
             if method == "forge":
                 fk.fused_weight_update(x, dy, weight, state, rule, step, rounding=regime.rounding, seed=regime.seed)

@@ -34,19 +34,22 @@ def _as_tensor(value):
     return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=_F64)
 
 
-def _q8_store_error(levels: np.ndarray) -> tuple:
-    """(largest relative error of a nearest-level store, smallest nonzero level magnitude).
-    The + 2^-23 covers the fp32 rounding of the midpoints the kernel compares with, which
-    moves the worst case a hair past (b - a)/(b + a)."""
+def _q8_store_error(levels: np.ndarray, rounding: str) -> tuple:
+    """(largest relative error of a q8 store between adjacent same-sign levels a < b,
+    smallest nonzero level magnitude). Nearest: (b - a)/(b + a), the worst case at the
+    midpoint (the kernel's comparison is exact, forge_kernels.q8). Stochastic: the value
+    can go to either neighbour, so (b - a)/a."""
     levels = levels.astype(np.float64)
     positive = levels[levels > 0]
     negative = -levels[levels < 0][::-1]
-    relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1]))) for m in (positive, negative) if m.size > 1)
+    relative = max(float(np.max((m[1:] - m[:-1]) / (m[1:] + m[:-1] if rounding == "nearest" else m[:-1])))
+                   for m in (positive, negative) if m.size > 1)
     smallest = float(min(positive.min(), negative.min() if negative.size else np.inf))
-    return relative + 2.0**-23, smallest
+    return relative, smallest
 
 
-_Q8_STORE_ERROR = {True: _q8_store_error(q8.SIGNED_LEVELS), False: _q8_store_error(q8.UNSIGNED_LEVELS)}
+_Q8_STORE_ERROR = {(signed, rounding): _q8_store_error(q8.SIGNED_LEVELS if signed else q8.UNSIGNED_LEVELS, rounding)
+                   for signed in (True, False) for rounding in ("nearest", "stochastic")}
 
 
 class Interval:
@@ -142,12 +145,15 @@ class Interval:
         return Interval(torch.where(self.lo >= 0, wide_lo.clamp_min(0), wide_lo),
                         torch.where(self.hi <= 0, wide_hi.clamp_max(0), wide_hi))
 
-    def stored_q8(self, signed: bool):
-        """The interval after a q8 store (forge_kernels.q8): nearest level of the block's
-        map, so a relative error up to max (b - a) / (b + a) over adjacent same-sign levels,
-        plus, for values under the smallest level, up to that level times the block scale
-        (at most twice the block's largest magnitude). Never across zero."""
-        relative, smallest = _Q8_STORE_ERROR[signed]
+    def stored_q8(self, signed: bool, rounding: str):
+        """The interval after a q8 store (forge_kernels.q8): one of the two levels of the
+        block's map around the value, so a relative error up to max (b - a) / (b + a) over
+        adjacent same-sign levels (nearest) or (b - a) / a (stochastic), plus, for values
+        under the smallest level, up to that level times the block scale (at most twice
+        the block's largest magnitude). Never across zero."""
+        if (signed, rounding) not in _Q8_STORE_ERROR:
+            raise ValueError(f"no q8 store model for {rounding!r} rounding")
+        relative, smallest = _Q8_STORE_ERROR[signed, rounding]
         magnitude = torch.maximum(self.lo.abs(), self.hi.abs())
         rows, cols = magnitude.shape
         pad = (-cols) % q8.BLOCK

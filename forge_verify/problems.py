@@ -37,12 +37,13 @@ class Regime:
     seed: int = 0
 
     @property
-    def stores_bf16(self) -> bool:
-        return self.weight == torch.bfloat16 or self.state_format == "bf16"
+    def rounds(self) -> bool:
+        """Whether any store rounds (bf16 weight or state, q8 state): fp32 stores are exact."""
+        return self.weight == torch.bfloat16 or self.state_format != "fp32"
 
     def describe(self) -> str:
         weight = str(self.weight).replace("torch.", "")
-        rounding = f" {self.rounding} seed={self.seed}" if self.stores_bf16 else ""
+        rounding = f" {self.rounding} seed={self.seed}" if self.rounds else ""
         return f"weight {weight}, state {self.state_format}{rounding}"
 
 

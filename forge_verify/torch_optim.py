@@ -24,6 +24,13 @@ _FACTORIES = {
                                                  eps=r.eps, foreach=False),
 }
 
+def torch_optimizer(param, rule):
+    """The torch.optim optimizer over ``param`` with ``rule``'s hyperparameters (single-tensor
+    path), or None for a rule torch.optim does not have (Lion)."""
+    factory = _FACTORIES.get(type(rule))
+    return None if factory is None else factory(param, rule)
+
+
 #: the rules measured, one representative configuration each
 MEASURED_RULES = {
     "adamw": fk.AdamW(lr=1e-3, weight_decay=0.01),
@@ -40,7 +47,7 @@ def _run_torch_optim(problem: Problem, rule, device, config=None):
     inputs = make_inputs(problem, device)
     ours, _ = run_rule(inputs, rule, config=config)
     param = torch.nn.Parameter(inputs.weight.clone())
-    optimizer = _FACTORIES[type(rule)](param, rule)
+    optimizer = torch_optimizer(param, rule)
     for x, dy in inputs.batches:
         param.grad = fk.weight_gradient(x, dy, config=config)
         optimizer.step()

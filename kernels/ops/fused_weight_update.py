@@ -65,13 +65,14 @@ def _slot_is_storable(v, Q8: tl.constexpr):
 
 
 @triton.jit
-def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
-                HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr,
+def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask, tile_ok, seed, counter,
+                HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store a slot already in its storage dtype (fp32 or bf16), or q8-encode and store it."""
     if HAS:
         if Q8:
-            codes, exponents = q8_encode(tl.where(mask, v, 0.0), table_ptr, BLOCK_N, BLOCK_K, SIGNED)
+            codes, exponents = q8_encode(tl.where(mask, v, 0.0), table_ptr, seed, counter, BLOCK_N, BLOCK_K,
+                                         SIGNED, STOCHASTIC)
             tl.store(s_ptr + idx, codes, mask=keep)
             offs_kb = tl.program_id(1) * (BLOCK_K // Q8_BLOCK) + tl.arange(0, BLOCK_K // Q8_BLOCK)
             eidx = offs_n[:, None] * KB + offs_kb[None, :]
@@ -91,9 +92,9 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     """Apply RULE to one tile in fp32, convert to the storage formats, and store, unless
     anything in the tile is non-finite.
 
-    bf16 stores round stochastically (one Philox stream per output, keyed on the
-    element's index in the weight) or to nearest; q8 state is decoded before the rule
-    and re-encoded after it, block by block (``forge_kernels.q8``). A tile whose
+    bf16 stores and q8 codes round stochastically (one Philox stream per output, keyed
+    on the element's index in the weight) or to nearest; q8 state is decoded before the
+    rule and re-encoded after it, block by block (``forge_kernels.q8``). A tile whose
     gradient, new weight or new state holds a NaN or infinity (or a value too large for
     its format) is not stored at all: weight and state keep their old values, and the
     tile's count of bad elements goes to ``flag_ptr[tile_id]`` so the launcher can raise.
@@ -124,12 +125,12 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     keep = mask & ((idx * 0 + num_bad) == 0)
     tl.store(w_ptr + idx, w, mask=keep)
     tile_ok = (num_bad == 0).to(tl.int32)
-    _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
-                HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, BLOCK_N, BLOCK_K)
-    _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
-                HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, BLOCK_N, BLOCK_K)
-    _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, KB, keep, mask, tile_ok,
-                HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, BLOCK_N, BLOCK_K)
+    _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, KB, keep, mask, tile_ok, seed_s0,
+                counter, HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
+    _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, KB, keep, mask, tile_ok, seed_s1,
+                counter, HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
+    _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, KB, keep, mask, tile_ok, seed_s2,
+                counter, HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
     tl.store(flag_ptr + tile_id, num_bad)
 
 
@@ -268,9 +269,9 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
     is float32 or bfloat16 (no master copy); the state is float32 or bfloat16 as made
-    by ``rule.init_state(weight, state_format=...)``. The rule always computes in fp32;
-    bf16 stores round ``"stochastic"`` (the default) or ``"nearest"``; float32 stores
-    are exact and ignore ``rounding``. Stochastic rounding draws from Philox streams
+    by ``rule.init_state(weight, state_format=...)`` (fp32, bf16 or q8). The rule always
+    computes in fp32; bf16 stores and q8 codes round ``"stochastic"`` (the default) or
+    ``"nearest"``; float32 stores are exact and ignore ``rounding``. Stochastic rounding draws from Philox streams
     keyed on (``seed``, ``step``, which output, element index in the weight), so the
     same call gives the same bits and successive steps are independent.
 

@@ -1,0 +1,332 @@
+"""One weight-gradient + optimizer step of a linear layer on the GPU: FORGE's fused update
+against PyTorch, per weight shape, token count and storage regime.
+
+Methods (AdamW, lr 1e-3, weight decay 0.01; bf16 activations x (T, K) and dy (T, N)):
+
+* ``forge``: ``fk.fused_weight_update`` as users call it (input checks and the
+  non-finite report included);
+* ``forge kernel``: the same kernel launched alone (a diagnostic: what the checks cost);
+* ``torch``: cuBLAS dW = dyᵀx, then ``torch.optim.AdamW(fused=True)``;
+* ``torch hook``: PyTorch's optimizer-in-backward, one optimizer stepping from a
+  ``register_post_accumulate_grad_hook`` while autograd computes dW;
+* ``torchao 8-bit``: cuBLAS dW, then torchao's ``AdamW8bit`` (q8 regime, if it runs).
+
+Regimes: ``fp32`` (fp32 weight and state), ``bf16-sr`` (bf16 weight and state,
+stochastic rounding; torch rounds to nearest), ``q8`` (bf16 weight, 8-bit state with
+stochastic codes; torch keeps bf16 state, torchao 8-bit state).
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call); peak is
+the largest extra device memory during one step. The floor is the larger of (bytes
+that must move) / (copy bandwidth) and (matrix FLOPs) / (bf16 matrix rate), both
+measured in the same run. Writes a CSV (one row per shape, tokens, regime, method)
+and prints a table.
+
+    python3 benchmarks/bench_update.py --out benchmarks/results/h200.csv
+    python3 benchmarks/bench_update.py --tune --out /tmp/tune.csv   # sweep tile configs
+"""
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if "forge_kernels" not in sys.modules:
+    try:
+        import forge_kernels  # noqa: F401
+    except ImportError:  # a checkout without an install: map kernels/ to forge_kernels
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("forge_kernels", ROOT / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["forge_kernels"] = module
+        spec.loader.exec_module(module)
+import forge_kernels as fk  # noqa: E402
+from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
+
+SHAPES = [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)]
+TOKENS = [256, 512, 1024, 4096, 16384]
+REGIMES = {  # name: (weight dtype, state format)
+    "fp32": (torch.float32, "fp32"),
+    "bf16-sr": (torch.bfloat16, "bf16"),
+    "q8": (torch.bfloat16, "q8"),
+}
+CONFIGS_FILE = HERE / "tuned_configs.json"
+# Tile configs the sweep tries: (block_n, block_k, block_t, num_warps, num_stages).
+CANDIDATES = [(64, 64, 32, 4, 2), (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
+              (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 2)]
+
+
+def rule():
+    return fk.AdamW(lr=1e-3, weight_decay=0.01)
+
+
+def state_bytes_per_param(regime: str) -> float:
+    w_dtype, state_format = REGIMES[regime]
+    state = rule().init_state(torch.zeros(64, 4096, dtype=w_dtype), state_format=state_format)
+    return sum(t.numel() * t.element_size() for t in state.values()) / (64 * 4096)
+
+
+def floor_ms(n, k, t, regime, bandwidth, matrix_rate):
+    """The larger of the memory time (x and dy read once; weight and state read and written
+    once) and the matrix time (2 T N K FLOPs)."""
+    w_bytes = torch.finfo(REGIMES[regime][0]).bits // 8
+    moved = 2 * t * (n + k) + 2 * n * k * (w_bytes + state_bytes_per_param(regime))
+    return max(moved / bandwidth, 2.0 * t * n * k / matrix_rate) * 1e3
+
+
+def measure_ceilings():
+    """(copy bandwidth in bytes/s counting read + write, bf16 matrix rate in FLOP/s)."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    copy_ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
+    del a, b, x, y
+    return 2 * 2**30 / (copy_ms * 1e-3), 2 * n**3 / (mm_ms * 1e-3)
+
+
+class Layer:
+    """Inputs, weight and state of one benchmark case (random data: never zeros)."""
+
+    def __init__(self, n, k, t, regime, seed=0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w_dtype, self.state_format = REGIMES[regime]
+        self.x = torch.randn(t, k, device="cuda", generator=gen).bfloat16()
+        self.dy = (torch.randn(t, n, device="cuda", generator=gen) * 1e-3).bfloat16()
+        self.w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(w_dtype)
+
+    def fresh_state(self, r):
+        state = r.init_state(self.w, state_format=self.state_format)
+        if self.state_format != "q8":  # a nonzero second moment, as after some steps
+            for name in r.slots:
+                state[name].normal_(0.0, 1e-4).abs_()
+        return state
+
+
+def torch_grad(layer):
+    """cuBLAS dW in the weight's dtype (fp32 output straight from the GEMM where torch offers it)."""
+    if layer.w.dtype == torch.float32:
+        try:
+            return torch.mm(layer.dy.t(), layer.x, out_dtype=torch.float32)
+        except TypeError:
+            return torch.mm(layer.dy.t(), layer.x).float()
+    return torch.mm(layer.dy.t(), layer.x)
+
+
+def methods(layer, regime, config):
+    """name -> zero-argument callable taking one step."""
+    r = rule()
+    found = {}
+    state = layer.fresh_state(r)
+    seed = iter(range(1, 10**9))
+
+    def forge():
+        fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config, seed=next(seed))
+    found["forge"] = forge
+
+    epilogue = _Epilogue(layer.w, state, r, 1, config, None, 0)
+    found["forge kernel"] = lambda: epilogue.fused(layer.x, layer.dy, layer.w)
+
+    param = torch.nn.Parameter(layer.w.clone())
+    opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, fused=True)
+
+    def torch_step():
+        param.grad = torch_grad(layer)
+        opt.step()
+        param.grad = None
+    found["torch"] = torch_step
+
+    hooked = torch.nn.Parameter(layer.w.clone())
+    hook_opt = torch.optim.AdamW([hooked], lr=1e-3, weight_decay=0.01, fused=True)
+
+    def step_in_backward(p):
+        hook_opt.step()
+        p.grad = None
+    hooked.register_post_accumulate_grad_hook(step_in_backward)
+
+    class WeightGrad(torch.autograd.Function):
+        """Backward yields dW = dyᵀx; forward costs nothing, so only the backward is timed."""
+
+        @staticmethod
+        def forward(ctx, w):
+            return w.new_zeros(())
+
+        @staticmethod
+        def backward(ctx, _):
+            return torch_grad(layer)
+
+    found["torch hook"] = lambda: WeightGrad.apply(hooked).backward()
+
+    if regime == "q8":
+        try:
+            from torchao.optim import AdamW8bit
+            ao_param = torch.nn.Parameter(layer.w.clone())
+            ao_opt = AdamW8bit([ao_param], lr=1e-3, weight_decay=0.01)
+
+            def torchao_step():
+                ao_param.grad = torch_grad(layer)
+                ao_opt.step()
+                ao_param.grad = None
+            torchao_step()
+            found["torchao 8-bit"] = torchao_step
+        except Exception as error:  # reported, not hidden: the row is absent and the reason printed
+            print(f"torchao 8-bit unavailable: {type(error).__name__}: {error}", file=sys.stderr)
+    return found
+
+
+def peak_extra_bytes(fn):
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def timed(fn):
+    times = do_bench(fn, warmup=25, rep=200, return_mode="all")
+    return statistics.median(times), min(times), max(times)
+
+
+def check_fused_equals_oracle(n, k, t, regime, config):
+    """The benchmarked config gives the oracle's bits (a fast kernel must compute the same function)."""
+    layer = Layer(n, k, t, regime, seed=1)
+    r = rule()
+    w_a, w_b = layer.w.clone(), layer.w.clone()
+    s_a, s_b = layer.fresh_state(r), None
+    s_b = {name: v.clone() for name, v in s_a.items()}
+    fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
+    fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
+    same = torch.equal(w_a.view(torch.int16 if w_a.dtype == torch.bfloat16 else torch.int32),
+                       w_b.view(torch.int16 if w_b.dtype == torch.bfloat16 else torch.int32))
+    same = same and all(torch.equal(s_a[name], s_b[name]) for name in s_a)
+    if not same:
+        raise AssertionError(f"fused != oracle for {regime} {n}x{k} T={t} {config}")
+
+
+def tuned_config(configs, regime, t):
+    """The tuned config for the regime at the nearest tuned token count at or below t."""
+    entries = configs.get(regime, {})
+    keys = sorted(int(key) for key in entries)
+    chosen = max([key for key in keys if key <= t] or keys[:1])
+    return fk.TileConfig(*entries[str(chosen)])
+
+
+def tune(shape, tokens, bandwidth, matrix_rate, writer, meta):
+    """Sweep CANDIDATES per regime and token count on one shape; returns the best of each."""
+    n, k = shape
+    best = {}
+    for regime in REGIMES:
+        best[regime] = {}
+        for t in tokens:
+            layer = Layer(n, k, t, regime)
+            results = []
+            for candidate in CANDIDATES:
+                config = fk.TileConfig(*candidate)
+                if REGIMES[regime][1] == "q8" and config.block_k < 32:
+                    continue
+                try:
+                    fn = methods(layer, regime, config)["forge kernel"]
+                    median, low, high = timed(fn)
+                except Exception as error:  # e.g. out of shared memory: that config is not a candidate here
+                    print(f"  {regime} T={t} {candidate}: {type(error).__name__}", file=sys.stderr)
+                    continue
+                results.append((median, candidate))
+                writer.writerow({**meta, "n": n, "k": k, "tokens": t, "regime": regime,
+                                 "method": f"forge kernel {candidate}", "median_ms": f"{median:.5f}",
+                                 "min_ms": f"{low:.5f}", "max_ms": f"{high:.5f}", "peak_bytes": "",
+                                 "floor_ms": f"{floor_ms(n, k, t, regime, bandwidth, matrix_rate):.5f}"})
+            results.sort()
+            best[regime][str(t)] = list(results[0][1])
+            print(f"tune {regime:8s} T={t:6d}: " + ", ".join(f"{c}={m:.4f}" for m, c in results[:3]), flush=True)
+            del layer
+    return best
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="CSV to write")
+    parser.add_argument("--tune", action="store_true", help=f"sweep tile configs; write {CONFIGS_FILE.name} "
+                                                           "next to --out")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--regimes", default=",".join(REGIMES))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_update.py measures on a GPU; none is visible here")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    regimes = args.regimes.split(",")
+
+    bandwidth, matrix_rate = measure_ceilings()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip() or os.environ.get("FORGE_COMMIT", "unknown")
+    except OSError:
+        commit = os.environ.get("FORGE_COMMIT", "unknown")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit}
+    print(f"{meta}; copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matrix rate {matrix_rate / 1e12:.0f} TFLOP/s",
+          flush=True)
+    fields = ["gpu", "torch", "triton", "commit", "n", "k", "tokens", "regime", "method", "median_ms", "min_ms",
+              "max_ms", "peak_bytes", "floor_ms"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        if args.tune:
+            best = tune(shapes[0], tokens, bandwidth, matrix_rate, writer, meta)
+            target = Path(args.out).with_name(CONFIGS_FILE.name)
+            target.write_text(json.dumps({"gpu": meta["gpu"], "triton": meta["triton"], "shape": list(shapes[0]),
+                                          **best}, indent=1) + "\n")
+            print(f"wrote {target}")
+            return 0
+        configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
+        rows = []
+        for n, k in shapes:
+            for t in tokens:
+                for regime in regimes:
+                    config = tuned_config(configs, regime, t) if configs else fk.PINNED
+                    if t == tokens[0]:
+                        check_fused_equals_oracle(n, k, 512, regime, config)
+                    layer = Layer(n, k, t, regime)
+                    floor = floor_ms(n, k, t, regime, bandwidth, matrix_rate)
+                    for method, fn in methods(layer, regime, config).items():
+                        median, low, high = timed(fn)
+                        peak = peak_extra_bytes(fn)
+                        rows.append((n, k, t, regime, method, median, peak, floor))
+                        writer.writerow({**meta, "n": n, "k": k, "tokens": t, "regime": regime, "method": method,
+                                         "median_ms": f"{median:.5f}", "min_ms": f"{low:.5f}",
+                                         "max_ms": f"{high:.5f}", "peak_bytes": peak, "floor_ms": f"{floor:.5f}"})
+                    handle.flush()
+                    del layer
+                    torch.cuda.empty_cache()
+    print_table(rows)
+    return 0
+
+
+def print_table(rows):
+    torch_time = {(n, k, t, regime): median for n, k, t, regime, method, median, _, _ in rows if method == "torch"}
+    print(f"{'shape':>11} {'T':>6} {'regime':>8} {'method':>14} {'median ms':>10} {'vs torch':>9} "
+          f"{'/ floor':>8} {'extra MB':>9}")
+    for n, k, t, regime, method, median, peak, floor in rows:
+        ratio = torch_time[(n, k, t, regime)] / median
+        print(f"{n:>5}x{k:<5} {t:>6} {regime:>8} {method:>14} {median:>10.4f} {ratio:>8.2f}x "
+              f"{median / floor:>8.2f} {peak / 2**20:>9.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
