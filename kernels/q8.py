@@ -35,6 +35,8 @@ is compared with, code for code; ``encode`` takes the Philox words as an argumen
 that this package needs no random-number reference of its own.
 """
 
+import functools
+
 import numpy as np
 import torch
 
@@ -73,8 +75,14 @@ UNSIGNED_LEVELS = _levels(signed=False)
 TABLE = np.stack([SIGNED_LEVELS, UNSIGNED_LEVELS])
 
 
-def table(device) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _table_on(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(TABLE.copy()).to(device)
+
+
+def table(device) -> torch.Tensor:
+    """The level table on ``device``, copied there once (not a host-to-device copy per step)."""
+    return _table_on(torch.device(device))
 
 
 def exponent_shape(shape) -> tuple:
