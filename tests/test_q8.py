@@ -7,10 +7,13 @@ import copy
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 
 import forge_kernels as fk
 from forge_kernels import q8
+from forge_kernels.ops.q8_codec import q8_encode
 from forge_kernels.ops.stochastic_round import stream_seed
 from forge_verify import assert_bitwise_equal
 from forge_verify.claims import decoded_state
@@ -142,3 +145,49 @@ def test_checkpoint_resume_takes_the_identical_next_step(state_format, device):
     train(resumed, batches[2:])
     for (name, a), (_, b) in zip(resumed.state_dict().items(), running.state_dict().items()):
         assert_bitwise_equal(a, b, f"after resume: {name}")
+
+
+@triton.jit
+def _encode_tile_kernel(v_ptr, codes_ptr, exp_ptr, table_ptr, seed, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+                        ROWS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    codes, exponents = q8_encode(tl.load(v_ptr + offs), table_ptr, seed, offs.to(tl.uint32), ROWS, 32, SIGNED,
+                                 STOCHASTIC)
+    tl.store(codes_ptr + offs, codes)
+    tl.store(exp_ptr + tl.arange(0, ROWS), tl.reshape(exponents, (ROWS,)))
+
+
+def _boundary_values(signed: bool) -> torch.Tensor:
+    """Rows of one q8 block each: 1.0 first (so the block's exponent is 0 and the values are
+    their own normalized u), then every level, its fp32 neighbours and the midpoints."""
+    levels = torch.from_numpy(q8.SIGNED_LEVELS if signed else q8.UNSIGNED_LEVELS)
+    up = torch.nextafter(levels, torch.tensor(2.0))
+    down = torch.nextafter(levels, torch.tensor(-2.0))
+    mids = ((levels[:-1].double() + levels[1:].double()) / 2).float()
+    values = torch.cat([levels, up, down, mids, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    values = values[(values >= (-1.0 if signed else 0.0)) & (values <= 1.0)]
+    rows = -(-values.numel() // 31)
+    rows = 1 << (rows - 1).bit_length()                 # a power of two, as tl.arange needs
+    padded = torch.zeros(rows * 31)
+    padded[:values.numel()] = values
+    return torch.cat([torch.ones(rows, 1), padded.reshape(rows, 31)], dim=1)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, rounding, device):
+    """The kernel finds the bracketing levels from a log2 estimate corrected by table
+    comparisons; at each level, its fp32 neighbours and the midpoints it must still give
+    the host reference's code (which uses a plain sorted search)."""
+    values = _boundary_values(signed)
+    rows, seed = values.shape[0], 99
+    codes = torch.empty(values.shape, dtype=torch.uint8, device=device)
+    exponents = torch.empty(rows, dtype=torch.int8, device=device)
+    stochastic = rounding == "stochastic"
+    _encode_tile_kernel[(1,)](values.to(device), codes, exponents, q8.table(device), seed, SIGNED=signed,
+                              STOCHASTIC=stochastic, ROWS=rows)
+    words = philox_randint(seed, np.arange(values.numel())) if stochastic else None
+    expected_codes, expected_exponents = q8.encode(values, signed=signed, random_words=words)
+    assert_bitwise_equal(codes.cpu(), expected_codes, "codes")
+    assert_bitwise_equal(exponents.cpu(), expected_exponents.reshape(-1), "exponents")
