@@ -272,11 +272,13 @@ def main(argv=None):
     regimes = args.regimes.split(",")
 
     bandwidth, matrix_rate = measure_ceilings()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip() or os.environ.get("FORGE_COMMIT", "unknown")
-    except OSError:
-        commit = os.environ.get("FORGE_COMMIT", "unknown")
+    commit = os.environ.get("FORGE_COMMIT")  # set it where the tree is a copy without its git history
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit}
     print(f"{meta}; copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matrix rate {matrix_rate / 1e12:.0f} TFLOP/s",
