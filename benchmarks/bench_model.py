@@ -1,0 +1,149 @@
+"""An end-to-end training step of a Llama-style decoder on one GPU: FORGE's fused layers
+against ``torch.optim.AdamW(fused=True)``, step time and peak memory.
+
+The model: ``--layers`` decoder blocks of Llama-3-8B's shapes (hidden 4096, 32 query and
+8 key/value heads, MLP 14336, RMSNorm, causal attention through
+``scaled_dot_product_attention``), no embedding or head, batch 1 x T tokens, loss the
+mean square of the output. Every linear weight is fused (``fk.fuse``) in the FORGE
+variant; the norms' weights are stepped by a torch AdamW in both variants.
+
+Variants: ``bf16`` (bf16 weights; FORGE keeps bf16 state with stochastic rounding, torch
+keeps bf16 state) and ``fp32-master`` (fp32 weights under bf16 autocast; fp32 state).
+Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
+forward, backward and optimizer); peak is ``torch.cuda.max_memory_allocated`` over the
+timed steps. Writes a CSV and prints a table.
+
+    python3 benchmarks/bench_model.py --out benchmarks/results/h200-model.csv
+"""
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_update import CONFIGS_FILE, tuned_config  # noqa: E402  (also maps kernels/ to forge_kernels)
+
+import forge_kernels as fk  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, MLP = 4096, 32, 8, 14336
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        head_dim = HIDDEN // HEADS
+        self.attn_norm = nn.RMSNorm(HIDDEN)
+        self.q = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k = nn.Linear(HIDDEN, KV_HEADS * head_dim, bias=False)
+        self.v = nn.Linear(HIDDEN, KV_HEADS * head_dim, bias=False)
+        self.o = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.mlp_norm = nn.RMSNorm(HIDDEN)
+        self.gate = nn.Linear(HIDDEN, MLP, bias=False)
+        self.up = nn.Linear(HIDDEN, MLP, bias=False)
+        self.down = nn.Linear(MLP, HIDDEN, bias=False)
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.attn_norm(x)
+        q = self.q(h).view(1, t, HEADS, -1).transpose(1, 2)
+        k = self.k(h).view(1, t, KV_HEADS, -1).transpose(1, 2)
+        v = self.v(h).view(1, t, KV_HEADS, -1).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(1, t, HIDDEN))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def build(layers, dtype, seed=0):
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = nn.Sequential(*[Block() for _ in range(layers)])
+    for p in model.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    return model.to(dtype)
+
+
+def variant(name, method, layers, tokens, configs):
+    dtype = torch.bfloat16 if name == "bf16" else torch.float32
+    model = build(layers, dtype)
+    if method == "forge":
+        regime = "bf16-sr" if name == "bf16" else "fp32"
+        config = tuned_config(configs, regime, tokens) if configs else fk.PINNED
+        fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format="bf16" if name == "bf16" else "fp32",
+                config=config, seed=1)
+        others = [p for n, p in model.named_parameters() if "norm" in n]
+    else:
+        others = list(model.parameters())
+    optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True)
+    x = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "fp32-master"):
+            loss = model(x.to(dtype) if name == "bf16" else x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, step
+
+
+def measure(step, warmup, steps):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), min(times), max(times), torch.cuda.max_memory_allocated()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", default="512,4096")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_model.py measures on a GPU; none is visible here")
+    configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "commit": os.environ.get("FORGE_COMMIT", "unknown"),
+            "layers": args.layers}
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for name in ("bf16", "fp32-master"):
+            for method in ("torch", "forge"):
+                model, step = variant(name, method, args.layers, tokens, configs)
+                median, low, high, peak = measure(step, args.warmup, args.steps)
+                rows.append({**meta, "tokens": tokens, "variant": name, "method": method, "median_ms": f"{median:.3f}",
+                             "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak})
+                print(f"T={tokens:5d} {name:11s} {method:5s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB",
+                      flush=True)
+                del model, step
+                torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
