@@ -34,9 +34,13 @@ class StandardPipeline:
         for closure in closures:
             closure().backward()
 
-    def clip(self):
-        """``clip_grad_norm_`` over every parameter; returns the total norm."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=False)
+    def clip(self, total_norm=None):
+        """``clip_grad_norm_`` over every parameter, returning the total norm; with
+        ``total_norm`` given, clip by that norm instead (``clip_grads_with_norm_``)."""
+        if total_norm is None:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=False)
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.max_norm, total_norm, foreach=False)
+        return total_norm
 
     def step(self):
         """Apply each fused layer's rule to its (clipped) gradient, then the torch optimizer."""
@@ -56,8 +60,8 @@ class StandardPipeline:
             layer.weight.grad = None
             self.micro_batch_grads[layer] = []
 
-    def train_step(self, closures):
+    def train_step(self, closures, total_norm=None):
         self.backward(closures)
-        norm = self.clip() if self.max_norm is not None else None
+        norm = self.clip(total_norm) if self.max_norm is not None else None
         self.step()
         return norm

@@ -21,6 +21,7 @@ from .ops.weight_gradient import weight_gradient
 from .rules.sgd import SGD, SGDMicroBatch
 
 GRADIENTS = ("fused", "materialized")
+CLIPPING = ("exact", "previous-norm")
 _GROUP_KEY = "forge_rule_index"
 
 
@@ -91,6 +92,11 @@ class Trainer:
       forward/backward takes the fused steps with the gradient multiplied by that factor
       in the kernel. Cost: one extra forward and backward, one weight-gradient GEMM per
       layer, and transient memory of the largest layer's fp32 gradient.
+    * ``clipping="previous-norm"``: APPROXIMATE, one pass. Step t is scaled by the clip
+      factor of step t-1's global norm (step 1 clips exactly); each layer's gradient is
+      materialized transiently for its norm and the step taken from it. A gradient spike
+      passes unclipped on the step it happens: see ``forge_verify.clipping_spike`` for
+      the measured deviation.
     * Accumulation over micro-batches: only SGD with momentum (not Nesterov) with fp32
       state, accumulating into the momentum buffer (``SGDMicroBatch``), no extra memory.
       Other rules are refused: they are not affine in the gradient, so the micro-batch
@@ -104,12 +110,17 @@ class Trainer:
     fused path saves.
     """
 
-    def __init__(self, model, optimizer=None, *, scheduler=None, max_norm=None, gradients="fused"):
+    def __init__(self, model, optimizer=None, *, scheduler=None, max_norm=None, clipping="exact", gradients="fused"):
         if gradients not in GRADIENTS:
             raise ValueError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
+        if clipping not in CLIPPING:
+            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        if clipping != "exact" and gradients != "fused":
+            raise ValueError("gradients='materialized' clips exactly in one pass; clipping='previous-norm' is for "
+                             "the fused path")
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf")):
             raise ValueError(f"max_norm must be a finite number > 0 (or None for no clipping), got {max_norm!r}")
-        self.model, self.gradients, self.max_norm = model, gradients, max_norm
+        self.model, self.gradients, self.max_norm, self.clipping = model, gradients, max_norm, clipping
         self.layers = fused_layers(model)
         if not self.layers:
             raise ValueError("the model has no fused layers; call fk.fuse(model, rule) first")
@@ -159,6 +170,8 @@ class Trainer:
         try:
             if self.gradients == "materialized":
                 losses = self._materialized_step(closures)
+            elif self.max_norm is not None and self.clipping == "previous-norm" and self.last_norm is not None:
+                losses = self._previous_norm_step(closures)
             elif self.max_norm is not None:
                 losses = self._clipped_fused_step(closures)
             else:
@@ -254,11 +267,34 @@ class Trainer:
             p.grad = grad
         return losses
 
+    def _previous_norm_step(self, closures):
+        """APPROXIMATE clipping: one pass, the gradient scaled by the clip factor of the
+        previous step's global norm (the current one is known only after every layer has
+        stepped). Each layer's gradient is materialized, one layer at a time, for its norm
+        and the step is taken from it (the bits the fused kernel would give)."""
+        if len(closures) > 1:
+            self._check_accumulates_in_state()
+        scale = clip_coefficient(self.max_norm, self.last_norm)
+        norms = {}
+
+        def measure_and_step(layer, x2d, dy2d):
+            check_finite_inputs(x2d, dy2d)
+            grad = weight_gradient(x2d, dy2d, config=layer.config)
+            norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
+            layer._apply_step(None, None, grad=grad, grad_scale=float(scale))
+
+        losses = self._run(closures, lambda index: measure_and_step)
+        self._clip_scale(norms)  # this step's norm, for the next step (refuses a non-finite one)
+        for p in unfused_parameters(self.model):
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return losses
+
     def _clip_scale(self, fused_norms):
         norm = total_norm(self.model.parameters(), fused_norms)
-        self.last_norm = norm
         if not bool(torch.isfinite(norm)):
             raise FloatingPointError(f"the global gradient norm is {float(norm)}; nothing was stepped")
+        self.last_norm = norm
         return clip_coefficient(self.max_norm, norm)
 
     def _materialized_step(self, closures):
@@ -289,7 +325,8 @@ class Trainer:
         """The whole training state: the model (weights, fused state, step counts, rounding
         seeds), the torch optimizer (with the fused groups' learning rates) and the scheduler."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "last_norm": self.last_norm}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["scheduler"] is None) != (self.scheduler is None):
@@ -298,4 +335,5 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        self.last_norm = state["last_norm"]  # clipping='previous-norm' scales the next step by it
         self._sync_learning_rates()

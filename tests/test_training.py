@@ -16,6 +16,7 @@ from torch import nn
 import forge_kernels as fk
 from forge_kernels.rules.sgd import SGDMicroBatch
 from forge_verify import assert_bitwise_equal
+from forge_verify.clipping_spike import spike_study
 from forge_verify.pipelines import StandardPipeline
 from forge_verify.tiny_gpt import GPT, GPTConfig
 
@@ -88,6 +89,37 @@ def test_exact_clipping_equals_clip_grad_norm_then_oracle_step(max_norm, device)
         assert_bitwise_equal(trainer.last_norm, norm, "total norm")
     _assert_same_training_state(model, ref, optimizer, ref_optimizer)
     assert (float(norm) > max_norm) == (max_norm == 0.05)  # each case takes the branch it names
+
+
+@pytest.mark.exactness
+def test_previous_norm_clipping_scales_by_the_previous_steps_factor(device):
+    """The approximate mode is exactly what it says: step 1 clipped exactly, step t by the
+    factor of step t-1's global norm (clip_grads_with_norm_ with that norm, then the oracle step)."""
+    (model, ref), (optimizer, ref_optimizer) = _pair(device, lambda: fk.AdamW(lr=1e-2))
+    trainer = fk.Trainer(model, optimizer, max_norm=0.05, clipping="previous-norm")
+    pipeline = StandardPipeline(ref, ref_optimizer, max_norm=0.05)
+    previous = None
+    for step in range(3):
+        trainer.step(_closures(model, device, step))
+        pipeline.backward(_closures(ref, device, step))
+        # this step's own norm, as clip_grad_norm_ would find it
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None], foreach=False)
+        pipeline.clip(norm if previous is None else previous)
+        pipeline.step()
+        assert_bitwise_equal(trainer.last_norm, norm, "this step's norm")
+        previous = norm
+    _assert_same_training_state(model, ref, optimizer, ref_optimizer)
+
+
+def test_previous_norm_clipping_lets_a_spike_through(device):
+    """Labelled approximate for this reason: on the spike step the exact factor falls to
+    about max_norm / (100 x the usual norm) while the approximate mode applies the previous
+    step's factor, and the parameters leave the exact run's path."""
+    rows = spike_study("AdamW", steps=3, spike_step=2, spike=100.0, device=device)
+    (_, _, exact_1, approx_1, deviation_1), (_, _, exact_2, approx_2, deviation_2), _ = rows
+    assert approx_1 == exact_1 and deviation_1 == 0.0  # step 1 clips exactly
+    assert approx_2 == exact_1 and exact_2 < exact_1 / 50
+    assert deviation_2 > 0.1
 
 
 @pytest.mark.exactness
