@@ -69,7 +69,8 @@ def _schedule(steps):
 def _data(size: DemoSize, steps: int, device, seed: int):
     text = corpus.load()
     vocab = sorted(set(text))
-    ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.int64)
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.int64)
     split = int(0.9 * len(ids))
     gen = torch.Generator().manual_seed(seed)
 

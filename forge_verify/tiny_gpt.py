@@ -1,12 +1,13 @@
 """A small GPT in plain PyTorch (nn.Linear projections, so ``fuse`` takes them all),
 for the training tests and ``forge-verify demo``.
 
-Pre-norm blocks, causal attention through ``scaled_dot_product_attention``, a GELU MLP,
+Pre-norm blocks, causal attention (written out), a GELU MLP,
 learned positions, and an output head not tied to the token embedding (a tied head
 would be one weight with two uses: ``fuse(..., exclude=["head"])`` leaves it to the torch
 optimizer).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,12 @@ class _Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Written out rather than scaled_dot_product_attention: the fused GPU kernels behind
+        # the latter may accumulate with atomics in backward, and the demo compares two runs
+        # bit for bit.
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.n_head))
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        y = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
