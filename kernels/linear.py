@@ -201,9 +201,10 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     those of ``fused_weight_update``. Each layer gets its own stochastic-rounding seed,
     derived from ``seed`` and its position in ``model.named_modules()`` order.
 
-    ``exclude`` names Linear modules (as in ``named_modules()``) to leave unfused, e.g. an
-    ``lm_head`` tied to the embedding: its weight then belongs to the torch optimizer,
-    which steps it once with the gradient of both uses.
+    ``exclude`` names modules (as in ``named_modules()``) whose Linear layers, the module
+    itself or any inside it, stay unfused, e.g. an ``lm_head`` tied to the embedding: its
+    weight then belongs to the torch optimizer, which steps it once with the gradient of
+    both uses.
 
     The module tree, names and Parameter objects are unchanged. Refused with a clear
     error: a Linear whose weight is registered anywhere else in the model (tied),
@@ -225,7 +226,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
             qualified = f"{name}.{child_name}" if name else child_name
-            if qualified in exclude:
+            if any(qualified == e or qualified.startswith(e + ".") for e in exclude):
                 continue
             if isinstance(child, ForgeLinear):
                 raise ValueError(f"{qualified!r} is already fused")

@@ -13,6 +13,7 @@ closures per ``step``) are exact; what each costs is in ``Trainer``'s docstring.
 """
 
 import torch
+# The grouping clip_grad_norm_ itself uses: the norms must be stacked in its order.
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .linear import ForgeLinear
@@ -128,6 +129,10 @@ class Trainer:
         for layer in self.layers:
             if not any(layer.rule is r for r in self.rules):
                 self.rules.append(layer.rule)
+        if scheduler is not None and not callable(scheduler):
+            raise TypeError("scheduler must be a callable optimizer -> LRScheduler (e.g. lambda opt: "
+                            "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)): it has to be built after "
+                            "the trainer adds the fused groups to the optimizer")
         self.optimizer = self._with_fused_groups(optimizer)
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.last_norm = None
@@ -223,7 +228,7 @@ class Trainer:
     def _check_accumulates_in_state(self):
         for layer in self.layers:
             rule = layer.rule
-            ok = isinstance(rule, SGD) and rule._has_momentum and not rule.nesterov
+            ok = isinstance(rule, SGD) and rule.slots == ("momentum_buffer",) and not rule.nesterov
             if not ok or self.max_norm is not None or rule.state_format(layer.forge_state) != "fp32":
                 raise ValueError(
                     f"fused layer {layer.forge_name!r}: gradient accumulation with gradients='fused' needs SGD with "

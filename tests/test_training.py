@@ -300,3 +300,13 @@ def test_trainer_refuses_parameters_nothing_would_step(device):
         fk.Trainer(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match="outside its fused layers"):
         fk.Trainer(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.ln_f.parameters()), 1)
+    with pytest.raises(TypeError, match="built after the trainer"):
+        fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), scheduler=scheduler)
+
+
+def test_fuse_exclude_leaves_a_subtree_unfused_and_refuses_unknown_names(device):
+    model = fk.fuse(_gpt(device), fk.AdamW(), exclude=["blocks.0.attn"])
+    assert type(model.blocks[0].attn.qkv) is nn.Linear and isinstance(model.blocks[0].fc, fk.ForgeLinear)
+    with pytest.raises(ValueError, match="does not have"):
+        fk.fuse(_gpt(device), fk.AdamW(), exclude=["blocks.9"])
