@@ -9,6 +9,7 @@ import torch
 
 import forge_kernels as fk
 
+from . import demo
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
 from .problems import Problem
@@ -32,6 +33,11 @@ def main(argv=None) -> int:
                                 "(default adamw)")
     deviation.add_argument("--lr", type=float, default=None, help="learning rate (default: the rule's, above)")
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
+    demo_parser = commands.add_parser("demo", help="train a small GPT on shipped text: FORGE fused vs oracle (bitwise) "
+                                                   "vs torch.optim.AdamW (loss, memory); writes a plot")
+    demo_parser.add_argument("--size", choices=sorted(demo.SIZES), default="small", help="model and batch size")
+    demo_parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's)")
+    demo_parser.add_argument("--out", default=None, help="output folder (default: $OUT, else ./demo_out)")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -49,6 +55,10 @@ def main(argv=None) -> int:
               f"backend: {'Triton interpreter (CPU)' if fk.interpreting() else 'GPU'}")
         print(format_rows(deviation_table(rule, problem, checkpoints)))
         return 0
+    if args.command == "demo":
+        result = demo.run_demo(args.size, steps=args.steps, out=args.out or demo.default_out())
+        print(demo.format_result(result))
+        return 0 if result["fused_equals_oracle_bitwise"] else 1
     return 2
 
 

@@ -14,10 +14,11 @@ from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.stochastic_round import stochastic_round
 from .ops.weight_gradient import weight_gradient
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, RMSprop, Rule, bias_corrections
+from .training import Trainer, fused_layers, unfused_parameters
 
 __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round",
-    "ForgeLinear", "ForgeLinearFunction", "fuse",
+    "ForgeLinear", "ForgeLinearFunction", "fuse", "Trainer", "fused_layers", "unfused_parameters",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",
 ]

@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import TileConfig
 from .errors import NonFiniteUpdateError
-from .ops.fused_weight_update import ROUNDINGS, fused_weight_update
+from .ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
 from .rules.base import Rule
 
@@ -59,7 +59,8 @@ class ForgeLinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         # dX is computed above, from the weights this forward used; only now step them.
-        ctx.layer._apply_step(x.reshape(-1, x.shape[-1]), dy2)
+        layer = ctx.layer
+        (layer.forge_backward or ForgeLinear._apply_step)(layer, x.reshape(-1, x.shape[-1]), dy2)
         return dx, None, db, None, None
 
 
@@ -101,6 +102,9 @@ class ForgeLinear(nn.Linear):
         self.forge_name = name or "ForgeLinear"
         self._pending = weakref.WeakSet()
         self._failed_step = None
+        # A training driver (forge_kernels.training) may take over what the backward does
+        # with (x, dY): ``forge_backward(layer, x2d, dy2d)`` replaces the plain step.
+        self.forge_backward = None
         # The fused path returns no weight gradient; any gradient that reaches the weight
         # comes from a use outside this layer and would be a second, unfused step.
         self.weight.register_hook(self._refuse_outside_gradient)
@@ -141,22 +145,30 @@ class ForgeLinear(nn.Linear):
                            "outside the layer; a fused weight takes exactly one gradient per step, through "
                            "its own backward")
 
-    def _apply_step(self, x2d, dy2d):
+    def _apply_step(self, x2d, dy2d, *, grad=None, rule=None, grad_scale=1.0, advance=True):
+        """One step of ``rule`` (default: the layer's) with dW = dy2dᵀ x2d, or with a
+        materialized fp32 ``grad`` when given; the gradient is multiplied by ``grad_scale``
+        before the rule. ``advance=False`` leaves ``forge_step`` where it is (a micro-batch
+        of an accumulated step)."""
         if self._failed_step is not None:
             raise RuntimeError(
                 f"fused layer {self.forge_name!r} stopped at step {self._failed_step}: some of its tiles were "
                 "left unstepped after a non-finite update, so its weight and state are at mixed steps. Restore "
                 "a checkpoint, or call forge_accept_partial_step() to go on from here")
         step = int(self.forge_step) + 1
+        options = dict(config=self.config, rounding=self.rounding, seed=int(self.forge_seed), grad_scale=grad_scale)
         try:
             with torch.no_grad():
-                fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, self.rule, step,
-                                    oracle=self.oracle, config=self.config, rounding=self.rounding,
-                                    seed=int(self.forge_seed))
+                if grad is None:
+                    fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, rule or self.rule, step,
+                                        oracle=self.oracle, **options)
+                else:
+                    apply_rule(grad, self.weight.data, self.forge_state, rule or self.rule, step, **options)
         except NonFiniteUpdateError:
             self._failed_step = step
             raise
-        self.forge_step.fill_(step)
+        if advance:
+            self.forge_step.fill_(step)
         # The kernel writes the weight's memory directly; bump its version so autograd
         # refuses any graph that saved the old values.
         torch.autograd.graph.increment_version(self.weight)
@@ -182,16 +194,22 @@ def _shared_parameters(model: nn.Module) -> dict:
 
 
 def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp32", rounding=None,
-         seed=0) -> nn.Module:
+         seed=0, exclude=()) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a ForgeLinear using ``rule``.
 
     Weights may be float32 or bfloat16; ``state_format``, ``rounding`` and ``seed`` are
     those of ``fused_weight_update``. Each layer gets its own stochastic-rounding seed,
     derived from ``seed`` and its position in ``model.named_modules()`` order.
 
+    ``exclude`` names modules (as in ``named_modules()``) whose Linear layers, the module
+    itself or any inside it, stay unfused, e.g. an ``lm_head`` tied to the embedding: its
+    weight then belongs to the torch optimizer, which steps it once with the gradient of
+    both uses.
+
     The module tree, names and Parameter objects are unchanged. Refused with a clear
     error: a Linear whose weight is registered anywhere else in the model (tied),
-    and subclasses of nn.Linear, whose forward may bypass ``nn.Linear.forward``
+    Hugging Face's ``Conv1D`` (GPT-2's transposed linear; convert it with
+    ``forge_kernels.hf.conv1d_to_linear`` first) and subclasses of nn.Linear, whose forward may bypass ``nn.Linear.forward``
     (e.g. MultiheadAttention's out_proj) and would leave the weight silently unfused.
     """
     if not isinstance(model, nn.Module):
@@ -200,12 +218,22 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
         raise TypeError("fuse converts the Linear layers inside a model; wrap a single layer with "
                         "ForgeLinear.from_linear instead")
     shared = _shared_parameters(model)
+    exclude = set(exclude)
+    unknown = exclude - {name for name, _ in model.named_modules()}
+    if unknown:
+        raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
     targets = []
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
             qualified = f"{name}.{child_name}" if name else child_name
+            if any(qualified == e or qualified.startswith(e + ".") for e in exclude):
+                continue
             if isinstance(child, ForgeLinear):
                 raise ValueError(f"{qualified!r} is already fused")
+            if type(child).__name__ == "Conv1D" and type(child).__module__.startswith("transformers"):
+                raise TypeError(f"{qualified!r} is a transformers Conv1D (a linear layer with a transposed weight) "
+                                "that fuse would otherwise leave silently unfused; convert the model with "
+                                "forge_kernels.hf.conv1d_to_linear(model) first")
             if isinstance(child, nn.Linear) and type(child) is not nn.Linear:
                 raise TypeError(f"{qualified!r} is a {type(child).__name__}, a subclass of nn.Linear whose "
                                 "forward may not go through nn.Linear.forward; refusing rather than leaving "
@@ -214,7 +242,8 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
                 owners = shared[id(child.weight)]
                 if len(owners) > 1:
                     raise ValueError(f"the weight of {qualified!r} is tied: it is registered as {owners}; "
-                                     "a fused weight must get exactly one gradient per step")
+                                     "a fused weight must get exactly one gradient per step. Leave the layer "
+                                     f"to the torch optimizer with fuse(..., exclude=[{qualified!r}])")
                 targets.append((module, child_name, qualified, child))
     check_seed(seed)
     for index, (parent, child_name, qualified, linear) in enumerate(targets):

@@ -38,3 +38,13 @@ def test_use_example_runs(device):
     exec(compile(_python_block("Use"), "README.md", "exec"), names)
     assert not torch.equal(weight, before)
     assert isinstance(names["model"][0], fk.ForgeLinear) and names["twin"][0].oracle
+
+
+def test_training_example_runs(device, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it saves a checkpoint
+    idx = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    names = {"batches": [(idx, idx)]}
+    with torch.device(device):
+        exec(compile(_python_block("Training integration"), "README.md", "exec"), names)
+    assert int(fk.fused_layers(names["model"])[0].forge_step) == 1
+    assert "model" in torch.load(tmp_path / "checkpoint.pt", weights_only=True)

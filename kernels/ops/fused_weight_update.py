@@ -19,7 +19,8 @@ from ..rules.base import NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, q8_decode, q8_encode
 from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
-from .validation import check_finite_inputs, check_gradient, check_update_inputs, check_weight_and_state
+from .validation import (check_finite_inputs, check_grad_scale, check_gradient, check_update_inputs,
+                         check_weight_and_state)
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
 # A constexpr global: the only kind a compiled kernel may read.
@@ -83,7 +84,7 @@ def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask,
 
 @triton.jit
 def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB,
+                   offs_n, offs_k, mask_n, mask_k, K, KB, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
@@ -100,7 +101,12 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     tile's count of bad elements goes to ``flag_ptr[tile_id]`` so the launcher can raise.
     ``NONNEGATIVE`` has bit i set when slot i only holds values >= 0 (its q8 map is the
     unsigned one); ``KB`` is the number of q8 blocks in a row.
+
+    ``grad_scale`` multiplies the gradient tile once, in fp32, before the rule: the same
+    multiply ``clip_grad_norm_`` applies to a materialized gradient. A scale of 1.0
+    changes no bit, so unclipped steps are unaffected.
     """
+    g = g * grad_scale
     mask = mask_n[:, None] & mask_k[None, :]
     idx = offs_n[:, None] * K + offs_k[None, :]
     eidx = offs_n[:, None] * KB + offs_k[None, :] // Q8_BLOCK
@@ -137,7 +143,7 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
 @triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
 def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
                                 flag_ptr, T, N, K, KB,
-                                stride_xt, stride_xk, stride_dyt, stride_dyn,
+                                stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
                                 h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
@@ -155,7 +161,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB,
+                   offs_n, offs_k, mask_n, mask_k, K, KB, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                    BLOCK_N, BLOCK_K)
@@ -163,7 +169,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
 
 @triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
 def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, N, K, KB,
-                       h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
+                       grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -179,7 +185,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB,
+                   offs_n, offs_k, mask_n, mask_k, K, KB, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                    BLOCK_N, BLOCK_K)
@@ -207,7 +213,8 @@ ROUNDINGS = ("stochastic", "nearest")
 class _Epilogue:
     """The validated, host-side arguments of the rule epilogue for one step."""
 
-    def __init__(self, weight, state, rule, step, config, rounding, seed):
+    def __init__(self, weight, state, rule, step, config, rounding, seed, grad_scale):
+        self.grad_scale = check_grad_scale(grad_scale)
         self.config = PINNED if config is None else config
         if not isinstance(self.config, TileConfig):
             raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(self.config).__name__}")
@@ -245,7 +252,7 @@ class _Epilogue:
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
         N, K = weight.shape
         _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.table,
-                                      self.flags, N, K, self.blocks_per_row, *self.scalars, *self.seeds,
+                                      self.flags, N, K, self.blocks_per_row, self.grad_scale, *self.scalars, *self.seeds,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       **self.config.launch_options())
 
@@ -255,7 +262,7 @@ class _Epilogue:
         config = self.config
         _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, T, N, K,
-            self.blocks_per_row, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *self.scalars, *self.seeds,
+            self.blocks_per_row, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), self.grad_scale, *self.scalars, *self.seeds,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
 
@@ -264,7 +271,7 @@ class _Epilogue:
 
 
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
-                        rounding=None, seed=0):
+                        rounding=None, seed=0, grad_scale=1.0):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
@@ -279,6 +286,8 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     first-step momentum) are computed for. ``oracle=True`` materializes dW with the
     same tile loop and applies the same epilogue in a second kernel (the exactness
     reference). ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``.
+    ``grad_scale`` (a float32 value) multiplies the gradient before the rule, as
+    ``clip_grad_norm_``'s clip coefficient multiplies a materialized gradient.
 
     Non-finite values: NaN/inf in x or dy raise ``NonFiniteInputError`` before
     anything is written. A tile whose gradient or result is non-finite (overflow)
@@ -287,7 +296,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     gradient (decay and momentum still act), as torch.optim does with a zero grad.
     """
     check_update_inputs(x, dy, weight, state, rule)
-    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed)
+    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale)
     if weight.numel() == 0:
         return
     check_finite_inputs(x, dy)
@@ -299,13 +308,13 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     epilogue.raise_if_flagged(weight)
 
 
-def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0):
+def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0):
     """One step of ``rule`` on a materialized fp32 gradient ``grad`` (N, K), in place: the
     epilogue of the fused kernel (same rounding streams, same non-finite guard) as its
     own kernel. With ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
     check_gradient(grad, weight)
     check_weight_and_state(weight, state, rule, read=[("grad", grad)])
-    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed)
+    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale)
     if weight.numel() == 0:
         return
     check_finite_inputs(grad)

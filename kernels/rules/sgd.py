@@ -12,6 +12,9 @@ import triton.language as tl
 from .base import Rule, check_real
 
 PLAIN, MOMENTUM, NESTEROV = 0, 1, 2
+# A micro-batch before the last of an accumulated step: the momentum buffer takes the
+# gradient, the weight waits (its forward must see the same weight in every micro-batch).
+ACCUMULATE = 3
 
 
 @triton.jit
@@ -24,7 +27,8 @@ def sgd_update(w, g, buf, unused1, unused2, lr, weight_decay, buf_factor, grad_f
             d = d + momentum * buf
         else:
             d = buf
-    w = w - lr * d
+    if VARIANT != 3:
+        w = w - lr * d
     return w, buf, unused1, unused2
 
 
@@ -73,3 +77,39 @@ class SGD(Rule):
         else:
             buf_factor, grad_factor = self.momentum, 1.0 - self.dampening
         return (self.lr, self.weight_decay, buf_factor, grad_factor, self.momentum)
+
+
+class SGDMicroBatch(SGD):
+    """SGD with momentum over one micro-batch of an accumulated step, accumulating into
+    the momentum buffer (no gradient buffer). SGD is affine in the gradient, so with
+    g = g_1 + ... + g_M the step of ``torch.optim.SGD`` on g splits exactly (in real
+    arithmetic) into::
+
+        first micro-batch:  buf <- b_t * buf + c_t * (g_1 + weight_decay * w)   (w waits)
+        later ones:         buf <- 1 * buf + c_t * (g_j + 0 * w)                 (w waits)
+        last one, also:     w <- w - lr * buf
+
+    where (b_t, c_t) are the step's buffer and gradient factors ((0, 1) on step 1, else
+    (momentum, 1 - dampening)). In floating point the sum is rounded in this order, not
+    as torch's (g_1 + ... + g_M) first. Nesterov momentum needs the whole gradient
+    again after the buffer is updated, so it cannot be split this way.
+    """
+
+    def __init__(self, sgd: SGD, *, first: bool, last: bool):
+        if not sgd._has_momentum or sgd.nesterov:
+            raise ValueError("accumulating into the momentum buffer needs SGD with momentum > 0 and without "
+                             "Nesterov (plain SGD keeps no state to accumulate into; Nesterov needs the whole "
+                             "gradient after the buffer is updated)")
+        super().__init__(lr=sgd.lr, momentum=sgd.momentum, dampening=sgd.dampening,
+                         weight_decay=sgd.weight_decay)
+        self.first, self.last = bool(first), bool(last)
+
+    @property
+    def variant(self):
+        return MOMENTUM if self.last else ACCUMULATE
+
+    def _host_scalars(self, step):
+        lr, weight_decay, buf_factor, grad_factor, momentum = super()._host_scalars(step)
+        if not self.first:
+            weight_decay, buf_factor = 0.0, 1.0
+        return (lr, weight_decay, buf_factor, grad_factor, momentum)

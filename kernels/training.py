@@ -1,0 +1,344 @@
+"""Training a model whose Linear layers are fused: one object, called once per step.
+
+``Trainer(model, optimizer)`` drives the fused layers (their steps happen inside the
+backward) and an ordinary torch optimizer over everything else (embeddings, norms,
+biases) in the same ``step()``. It adds one parameter group per fused rule to that
+optimizer, holding the fused weights and the rule's learning rate: torch optimizers
+skip parameters without a gradient, and fused weights never have one, so the group is
+never stepped by torch, but a torch LR scheduler moves its ``lr`` like any other and
+the trainer hands it to the rule before each step.
+
+Global-norm clipping (``max_norm``) and gradient accumulation (several micro-batch
+closures per ``step``) are exact; what each costs is in ``Trainer``'s docstring.
+"""
+
+import torch
+# The grouping clip_grad_norm_ itself uses: the norms must be stacked in its order.
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from .linear import ForgeLinear
+from .ops.validation import check_finite_inputs
+from .ops.weight_gradient import weight_gradient
+from .rules.sgd import SGD, SGDMicroBatch
+
+GRADIENTS = ("fused", "materialized")
+CLIPPING = ("exact", "previous-norm")
+_GROUP_KEY = "forge_rule_index"
+
+
+def fused_layers(model: torch.nn.Module) -> list:
+    """The model's fused layers, in ``named_modules()`` order."""
+    return [m for m in model.modules() if isinstance(m, ForgeLinear)]
+
+
+def unfused_parameters(model: torch.nn.Module) -> list:
+    """The parameters an ordinary optimizer must step: all but the fused weights."""
+    fused = {id(layer.weight) for layer in fused_layers(model)}
+    return [p for p in model.parameters() if id(p) not in fused]
+
+
+def total_norm(params, fused_norms: dict) -> torch.Tensor:
+    """The global 2-norm that ``torch.nn.utils.clip_grad_norm_(params, foreach=False)``
+    computes, where the fused weights' gradients exist only as their norms.
+
+    ``fused_norms`` maps ``id(weight)`` to ``torch.linalg.vector_norm`` of the weight's
+    fp32 gradient. torch takes one norm per gradient, groups them by (device, dtype)
+    and takes the norm of the stacked norms; the same grouping and order here give the
+    same bits. Parameters without a gradient (and fused weights without a norm: their
+    layer took no backward) are left out, as torch leaves out ``grad is None``.
+    """
+    sources = []
+    for p in params:
+        if id(p) in fused_norms:
+            sources.append(fused_norms[id(p)])
+        elif p.grad is not None:
+            sources.append(p.grad)
+    if not sources:
+        return torch.tensor(0.0)
+    given = {id(n) for n in fused_norms.values()}
+    norms = []
+    for ([group], _) in _group_tensors_by_device_and_dtype([sources]).values():
+        norms.extend(t if id(t) in given else torch.linalg.vector_norm(t, 2.0) for t in group)
+    first_device = sources[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+
+
+def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """``clip_grad_norm_``'s factor, computed as torch computes it (a float32 tensor)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+class Trainer:
+    """One training step for a fused model and the torch optimizer of its other parameters.
+
+    ``model`` holds ``ForgeLinear`` layers (``fk.fuse``); ``optimizer`` is a torch
+    optimizer over exactly ``unfused_parameters(model)`` (``None`` when there are none).
+    ``scheduler``, if given, is a callable ``optimizer -> LRScheduler``; it is built after
+    the fused groups are added, so it drives the fused rules' ``lr`` too, and it is
+    stepped once per ``step()``.
+
+    ``step(closures)``: ``closures`` is one callable, or a list with one per micro-batch;
+    each runs a forward and returns a scalar loss, which the trainer backpropagates
+    (scale it by 1/M yourself for a mean over M micro-batches, as with ``.grad``
+    accumulation). Forward passes must be repeatable when clipping: the torch RNG state is
+    restored between the two passes, so dropout draws the same masks.
+
+    ``gradients="fused"`` (default): dW never exists.
+
+    * ``max_norm``: exact global-norm clipping in two passes. The first forward/backward
+      takes no step: each fused layer materializes its fp32 gradient (the fused kernel's
+      own tile loop, ``weight_gradient``) one layer at a time, keeps its norm and frees
+      it; unfused parameters keep their ``.grad``. The global norm and clip factor are
+      computed as ``clip_grad_norm_(..., foreach=False)`` computes them. The second
+      forward/backward takes the fused steps with the gradient multiplied by that factor
+      in the kernel. Cost: one extra forward and backward, one weight-gradient GEMM per
+      layer, and transient memory of the largest layer's fp32 gradient.
+    * ``clipping="previous-norm"``: APPROXIMATE, one pass. Step t is scaled by the clip
+      factor of step t-1's global norm (step 1 clips exactly); each layer's gradient is
+      materialized transiently for its norm and the step taken from it. A gradient spike
+      passes unclipped on the step it happens: see ``forge_verify.clipping_spike`` for
+      the measured deviation.
+    * Accumulation over micro-batches: only SGD with momentum (not Nesterov) with fp32
+      state, accumulating into the momentum buffer (``SGDMicroBatch``), no extra memory.
+      Other rules are refused: they are not affine in the gradient, so the micro-batch
+      gradients must be summed before the rule.
+
+    ``gradients="materialized"``: every fused layer's backward adds its fp32 gradient to a
+    buffer; after the last micro-batch the rule runs on the buffer (``apply_rule``), with
+    the clip factor if ``max_norm`` is set (one pass). Any rule, clipping and accumulation
+    together, bitwise the standard pipeline (``.grad`` accumulation, ``clip_grad_norm_``,
+    then the rule); it costs 4 bytes per fused parameter for the buffers, the memory the
+    fused path saves.
+    """
+
+    def __init__(self, model, optimizer=None, *, scheduler=None, max_norm=None, clipping="exact", gradients="fused"):
+        if gradients not in GRADIENTS:
+            raise ValueError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
+        if clipping not in CLIPPING:
+            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        if clipping != "exact" and gradients != "fused":
+            raise ValueError("gradients='materialized' clips exactly in one pass; clipping='previous-norm' is for "
+                             "the fused path")
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf")):
+            raise ValueError(f"max_norm must be a finite number > 0 (or None for no clipping), got {max_norm!r}")
+        self.model, self.gradients, self.max_norm, self.clipping = model, gradients, max_norm, clipping
+        self.layers = fused_layers(model)
+        if not self.layers:
+            raise ValueError("the model has no fused layers; call fk.fuse(model, rule) first")
+        self.rules = []
+        for layer in self.layers:
+            if not any(layer.rule is r for r in self.rules):
+                self.rules.append(layer.rule)
+        if scheduler is not None and not callable(scheduler):
+            raise TypeError("scheduler must be a callable optimizer -> LRScheduler (e.g. lambda opt: "
+                            "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)): it has to be built after "
+                            "the trainer adds the fused groups to the optimizer")
+        self.optimizer = self._with_fused_groups(optimizer)
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        self.last_norm = None
+
+    def _with_fused_groups(self, optimizer):
+        unfused = unfused_parameters(self.model)
+        fused_ids = {id(layer.weight) for layer in self.layers}
+        groups = [{"params": [layer.weight for layer in self.layers if layer.rule is rule], "lr": rule.lr,
+                   _GROUP_KEY: index} for index, rule in enumerate(self.rules)]
+        if optimizer is None:
+            if any(p.requires_grad for p in unfused):
+                raise ValueError("the model has parameters outside its fused layers; pass a torch optimizer "
+                                 "over fk.unfused_parameters(model)")
+            # Only a holder for the fused groups' learning rates: it never steps a fused weight.
+            return torch.optim.SGD(groups, lr=0.0)
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if stepped & fused_ids:
+            raise ValueError("the optimizer holds fused weights; build it over fk.unfused_parameters(model)")
+        missing = [name for name, p in self.model.named_parameters()
+                   if p.requires_grad and id(p) not in fused_ids and id(p) not in stepped]
+        if missing:
+            raise ValueError(f"parameters that nothing would step: {missing}; build the optimizer over "
+                             "fk.unfused_parameters(model)")
+        for group in groups:
+            optimizer.add_param_group(group)
+        return optimizer
+
+    def _sync_learning_rates(self):
+        for group in self.optimizer.param_groups:
+            if _GROUP_KEY in group:
+                self.rules[group[_GROUP_KEY]].lr = float(group["lr"])
+
+    def step(self, closures):
+        """One optimizer step over the micro-batches ``closures``; returns their losses
+        (detached, from the pass that stepped)."""
+        closures = [closures] if callable(closures) else list(closures)
+        if not closures or not all(callable(c) for c in closures):
+            raise TypeError("step takes a callable returning the loss, or a non-empty list of them")
+        self._sync_learning_rates()
+        try:
+            if self.gradients == "materialized":
+                losses = self._materialized_step(closures)
+            elif self.max_norm is not None and self.clipping == "previous-norm" and self.last_norm is not None:
+                losses = self._previous_norm_step(closures)
+            elif self.max_norm is not None:
+                losses = self._clipped_fused_step(closures)
+            else:
+                losses = self._fused_step(closures)
+        except BaseException:
+            # Unfused gradients of a step that did not finish must not leak into the next.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._sync_learning_rates()  # so rule.lr always shows the lr of the next step
+        return losses
+
+    def _run(self, closures, backward_for):
+        """Forward and backward every micro-batch, with ``backward_for(index)`` as the fused
+        layers' backward action (None: the plain fused step)."""
+        losses = []
+        try:
+            for index, closure in enumerate(closures):
+                action = backward_for(index)
+                for layer in self.layers:
+                    layer.forge_backward = action
+                loss = closure()
+                loss.backward()
+                losses.append(loss.detach())
+        finally:
+            for layer in self.layers:
+                layer.forge_backward = None
+        return losses
+
+    def _fused_step(self, closures):
+        if len(closures) == 1:
+            return self._run(closures, lambda index: None)
+        self._check_accumulates_in_state()
+        last = len(closures) - 1
+        phases = {}
+        for rule in self.rules:
+            for index in range(len(closures)):
+                phases[id(rule), index] = SGDMicroBatch(rule, first=index == 0, last=index == last)
+
+        def backward_for(index):
+            def accumulate(layer, x2d, dy2d):
+                layer._apply_step(x2d, dy2d, rule=phases[id(layer.rule), index], advance=index == last)
+            return accumulate
+        return self._run(closures, backward_for)
+
+    def _check_accumulates_in_state(self):
+        for layer in self.layers:
+            rule = layer.rule
+            ok = isinstance(rule, SGD) and rule.slots == ("momentum_buffer",) and not rule.nesterov
+            if not ok or self.max_norm is not None or rule.state_format(layer.forge_state) != "fp32":
+                raise ValueError(
+                    f"fused layer {layer.forge_name!r}: gradient accumulation with gradients='fused' needs SGD with "
+                    "momentum (not Nesterov), fp32 state and no clipping: only then can the micro-batches' "
+                    "gradients be added into the state before the rule. Alternatives: "
+                    "Trainer(..., gradients='materialized') (any rule, clipping too; an fp32 gradient buffer, "
+                    "4 bytes per fused parameter), or one larger micro-batch per step")
+
+    def _clipped_fused_step(self, closures):
+        if len(closures) > 1:
+            self._check_accumulates_in_state()
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        norms = {}
+
+        def measure(layer, x2d, dy2d):
+            check_finite_inputs(x2d, dy2d)  # nothing has stepped yet: refuse before the norm is NaN
+            # The same tile loop as the fused kernel, so this is the gradient the step uses.
+            grad = weight_gradient(x2d, dy2d, config=layer.config)
+            norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
+
+        self._run(closures, lambda index: measure)
+        scale = self._clip_scale(norms)
+        unfused = [p for p in unfused_parameters(self.model) if p.grad is not None]
+        clipped = [p.grad.mul_(scale) for p in unfused]  # the multiply clip_grad_norm_ does
+        for p in unfused:
+            p.grad = None
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        measured = set(norms)
+
+        def clipped_step(layer, x2d, dy2d):
+            if id(layer.weight) not in measured:
+                raise RuntimeError(f"fused layer {layer.forge_name!r} ran in the stepping pass but not in the "
+                                   "norm pass: the closure must run the same layers each time it is called")
+            layer._apply_step(x2d, dy2d, grad_scale=float(scale))
+
+        losses = self._run(closures, lambda index: clipped_step)
+        for p, grad in zip(unfused, clipped):
+            p.grad = grad
+        return losses
+
+    def _previous_norm_step(self, closures):
+        """APPROXIMATE clipping: one pass, the gradient scaled by the clip factor of the
+        previous step's global norm (the current one is known only after every layer has
+        stepped). Each layer's gradient is materialized, one layer at a time, for its norm
+        and the step is taken from it (the bits the fused kernel would give)."""
+        if len(closures) > 1:
+            self._check_accumulates_in_state()
+        scale = clip_coefficient(self.max_norm, self.last_norm)
+        norms = {}
+
+        def measure_and_step(layer, x2d, dy2d):
+            check_finite_inputs(x2d, dy2d)
+            grad = weight_gradient(x2d, dy2d, config=layer.config)
+            norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
+            layer._apply_step(None, None, grad=grad, grad_scale=float(scale))
+
+        losses = self._run(closures, lambda index: measure_and_step)
+        self._clip_scale(norms)  # this step's norm, for the next step (refuses a non-finite one)
+        for p in unfused_parameters(self.model):
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return losses
+
+    def _clip_scale(self, fused_norms):
+        norm = total_norm(self.model.parameters(), fused_norms)
+        if not bool(torch.isfinite(norm)):
+            raise FloatingPointError(f"the global gradient norm is {float(norm)}; nothing was stepped")
+        self.last_norm = norm
+        return clip_coefficient(self.max_norm, norm)
+
+    def _materialized_step(self, closures):
+        buffers = {}
+
+        def accumulate(layer, x2d, dy2d):
+            check_finite_inputs(x2d, dy2d)
+            grad = weight_gradient(x2d, dy2d, config=layer.config)
+            if layer in buffers:
+                buffers[layer].add_(grad)  # what autograd does to an existing .grad
+            else:
+                buffers[layer] = grad
+
+        losses = self._run(closures, lambda index: accumulate)
+        scale = 1.0
+        if self.max_norm is not None:
+            coefficient = self._clip_scale({id(layer.weight): torch.linalg.vector_norm(grad, 2.0)
+                                            for layer, grad in buffers.items()})
+            for p in unfused_parameters(self.model):
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+            scale = float(coefficient)
+        for layer, grad in buffers.items():
+            layer._apply_step(None, None, grad=grad, grad_scale=scale)
+        return losses
+
+    def state_dict(self) -> dict:
+        """The whole training state: the model (weights, fused state, step counts, rounding
+        seeds), the torch optimizer (with the fused groups' learning rates) and the scheduler."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "last_norm": self.last_norm}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["scheduler"] is None) != (self.scheduler is None):
+            raise ValueError("the checkpoint and this trainer disagree on having a scheduler")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.last_norm = state["last_norm"]  # clipping='previous-norm' scales the next step by it
+        self._sync_learning_rates()
