@@ -190,5 +190,5 @@ class RankPools:
 
     def close(self):
         for pool in self._pools.values():
-            pool.close()
+            pool.close(wait_s=3.0)
         self._pools.clear()
