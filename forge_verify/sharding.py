@@ -157,3 +157,29 @@ def layers_match_slice(case: LayerCase, rules: list, shardings=SHARDINGS) -> Non
                 _assert_slice_equal(_snapshot(layer), expected, layer.weight_slice,
                                     f"rank {dist.get_rank()} of {world}, {engine} {layout}, step {step}, {rule!r}, "
                                     f"{case.describe()}")
+
+
+def shape_keyed_config(rows: int, cols: int) -> fk.TileConfig:
+    """A config chosen from the weight's shape, as a shape-keyed autotuner might: a
+    longer token block for larger weights. The library never does this (it pins one
+    config); the shard-shape property uses it to show what it would break."""
+    return fk.TileConfig(block_t=64 if rows * cols >= 1024 else 16)
+
+
+def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
+    """Job: does a column- or row-parallel shard stepped with ``shape_keyed_config`` of
+    its own (local) shape differ from the slice of the whole weight stepped with the
+    config of the whole shape? (False where the backend's BLOCK_T does not change bits.)"""
+    weight, batches = layer_inputs(problem, FP32, device())
+    whole = fk.ForgeLinear.from_linear(_linear(weight), rule, config=shape_keyed_config(*weight.shape))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = chunk(weight.shape[0], world, rank) if layout == "column" else slice(None)
+    cols = slice(None) if layout == "column" else chunk(weight.shape[1], world, rank)
+    local_shape = weight[rows, cols].shape
+    parallel = ColumnParallelForgeLinear if layout == "column" else RowParallelForgeLinear
+    module = parallel(_linear(weight), rule, config=shape_keyed_config(*local_shape))
+    for x, dy in batches:
+        whole(x).backward(dy)
+        module(x[:, cols].contiguous()).backward(dy[:, rows].contiguous())
+    expected, local = _snapshot(whole)["weight"][rows, cols], _snapshot(module.linear)["weight"]
+    return not torch.equal(local.view(torch.int32), expected.contiguous().view(torch.int32))
