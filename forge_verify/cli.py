@@ -11,6 +11,7 @@ import forge_kernels as fk
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import deviation_table, format_rows
 from .problems import Problem
+from .sharding_report import sharding_report
 
 
 def main(argv=None) -> int:
@@ -28,6 +29,10 @@ def main(argv=None) -> int:
     deviation.add_argument("--tokens", type=int, default=32, help="tokens per step (default 32)")
     deviation.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
+    sharding = commands.add_parser("sharding", help="measure TP/SP against the unsharded model, and data/context "
+                                                    "parallelism and accumulation against the true step, on N ranks")
+    sharding.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
+    sharding.add_argument("--steps", type=int, default=3, help="steps per trajectory (default 3)")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -42,6 +47,9 @@ def main(argv=None) -> int:
         print(f"{rule!r}; weight {args.size}x{args.size}, {args.tokens} bf16 tokens per step, seed {args.seed}; "
               f"backend: {'Triton interpreter (CPU)' if fk.interpreting() else 'GPU'}")
         print(format_rows(deviation_table(rule, problem, checkpoints)))
+        return 0
+    if args.command == "sharding":
+        print(sharding_report(args.ranks, args.steps))
         return 0
     return 2
 

@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from forge_verify.distributed import RankError, RankPool
+from forge_verify.sharding import device
 
 pytestmark = pytest.mark.distributed
 
 
 def _rank_and_sum():
-    t = torch.tensor([dist.get_rank() + 1.0])
+    t = torch.tensor([dist.get_rank() + 1.0], device=device())
     dist.all_reduce(t)
     return dist.get_rank(), dist.get_world_size(), float(t)
 
