@@ -27,6 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Imported before any job so that a rank decides where kernels run (compiled or the
+# CPU interpreter) before any Triton code is decorated, as the parent did.
+import forge_kernels  # noqa: F401
+
 # NVLink multicast (NVLS, symmetric-memory multicast) stays off on the GPU machines
 # these ranks run on.
 RANK_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -145,15 +149,19 @@ class RankPool:
             raise RankError(f"{what}: rank {dead[0][0]} of {self.world_size} died with exit code {dead[0][1]} "
                             "(the other ranks were terminated)")
 
+    def request_stop(self):
+        """Ask every live rank to leave after its current job (close() then reaps them)."""
+        for jobs, process in zip(self._jobs, self._processes or ()):
+            if process.is_alive():
+                jobs.put(None)
+
     def close(self, wait_s: float = 10.0):
         """Stop the ranks: ask them to leave, wait up to ``wait_s``, then terminate the
         rest (after a failure at once: the others may be blocked in a collective)."""
         if self._processes is None:
             return
+        self.request_stop()
         processes, self._processes = self._processes, None
-        for jobs, process in zip(self._jobs, processes):
-            if process.is_alive():
-                jobs.put(None)
         deadline = time.monotonic() + wait_s
         for process in processes:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -189,6 +197,9 @@ class RankPools:
         return pool
 
     def close(self):
+        # All pools wind down together rather than one after the other.
+        for pool in self._pools.values():
+            pool.request_stop()
         for pool in self._pools.values():
             pool.close(wait_s=3.0)
         self._pools.clear()

@@ -32,7 +32,6 @@ from .bits import assert_bitwise_equal, ulp_distance
 from .sharding import chunk, device
 
 MODELS = ("mlp", "block")
-ENGINES = ("dtensor", "megatron")
 
 
 class Block(nn.Module):
