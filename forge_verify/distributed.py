@@ -133,8 +133,8 @@ class RankPool:
                     raise RankError(f"{what}: ranks {missing} of {self.world_size} did not answer within "
                                     f"{timeout_s:.0f} s (the ranks were terminated)")
                 continue
-            if answered != job_id:
-                continue  # a late answer to an earlier, already failed job
+            # Answers belong to this job: a failed job takes the pool down with it.
+            assert answered == job_id, (answered, job_id)
             if not ok:
                 self.close(wait_s=0)
                 raise RankError(f"{what}: rank {rank} of {self.world_size} raised (the ranks were "

@@ -78,8 +78,10 @@ def _fuse_options(rule, regime, config, seed):
 
 
 def _sharded_layer(case: LayerCase, engine, layout, rule, weight, layer_seed):
-    """(module, operands) for this rank: ``operands(x, dy)`` gives the module's input and
-    output gradient for the unsharded layer's (x, dy)."""
+    """(module, operands, rows, cols) for this rank: ``operands(x, dy)`` gives the
+    module's input and output gradient for the unsharded layer's (x, dy); ``rows`` and
+    ``cols`` the slice of the whole weight its shard must equal (from the layout, not
+    from the layer under test)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     options = _fuse_options(rule, case.regime, case.config, layer_seed)
     column = layout.startswith("column")
@@ -108,23 +110,21 @@ def _sharded_layer(case: LayerCase, engine, layout, rule, weight, layer_seed):
             return (x[tokens] if sequence_parallel else x), dy[:, rows].contiguous()
         return x[:, cols].contiguous(), (dy[tokens] if sequence_parallel else dy)
 
-    return module, operands
+    return module, operands, rows, cols
 
 
 def _fused_layer(module) -> fk.ForgeLinear:
     return next(m for m in module.modules() if isinstance(m, fk.ForgeLinear))
 
 
-def _assert_slice_equal(local: dict, whole: dict, place: fk.WeightSlice, what: str):
-    n, k = local["weight"].shape
-    r0, c0 = place.row_start, place.col_start
+def _assert_slice_equal(local: dict, whole: dict, rows: slice, cols: slice, what: str):
+    if set(local) != set(whole):
+        raise AssertionError(f"{what}: state entries {sorted(local)} != {sorted(whole)}")
+    columns = range(whole["weight"].shape[1])[cols]
+    # q8 exponents: one per block of q8.BLOCK columns (shards hold whole blocks)
+    blocks = slice(columns.start // fk.q8.BLOCK, -(-columns.stop // fk.q8.BLOCK))
     for key in sorted(whole):
-        expected = whole[key]
-        if key.endswith(fk.q8.EXPONENT_SUFFIX):
-            b0 = c0 // fk.q8.BLOCK
-            expected = expected[r0:r0 + n, b0:b0 + local[key].shape[1]]
-        else:
-            expected = expected[r0:r0 + n, c0:c0 + k]
+        expected = whole[key][rows, blocks if key.endswith(fk.q8.EXPONENT_SUFFIX) else cols]
         assert_bitwise_equal(local[key], expected, f"{what}: {key}")
 
 
@@ -150,11 +150,10 @@ def layers_match_slice(case: LayerCase, rules: list, shardings=SHARDINGS) -> Non
         for step, (x, dy) in enumerate(batches, start=1):
             whole(x).backward(dy)
             expected = _snapshot(whole)
-            for engine, layout, module, operands in sharded:
+            for engine, layout, module, operands, rows, cols in sharded:
                 x_local, dy_local = operands(x, dy)
                 module(x_local).backward(dy_local)
-                layer = _fused_layer(module)
-                _assert_slice_equal(_snapshot(layer), expected, layer.weight_slice,
+                _assert_slice_equal(_snapshot(_fused_layer(module)), expected, rows, cols,
                                     f"rank {dist.get_rank()} of {world}, {engine} {layout}, step {step}, {rule!r}, "
                                     f"{case.describe()}")
 

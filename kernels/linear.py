@@ -125,9 +125,9 @@ class ForgeLinear(nn.Linear):
         # The fused path returns no weight gradient; any gradient that reaches the weight
         # comes from a use outside this layer and would be a second, unfused step.
         self.weight.register_hook(self._refuse_outside_gradient)
-        # parallelize_module replaces the Parameter: one that changes after fuse leaves the
-        # state sized and placed for the old weight.
-        self._fused_weight = weakref.ref(self.weight)
+        # parallelize_module replaces the Parameter by a DTensor: one applied after fuse
+        # leaves the state sized and placed for the whole weight.
+        self._fused_on_dtensor = is_dtensor(self.weight)
         weight = local_weight(self.weight.detach())
         state = rule.init_state(weight, state_format=state_format)
         self._state_keys = tuple(state)
@@ -147,7 +147,7 @@ class ForgeLinear(nn.Linear):
     def forward(self, x):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        if self._fused_weight() is not self.weight:
+        if is_dtensor(self.weight) != self._fused_on_dtensor:
             raise RuntimeError(f"the weight of fused layer {self.forge_name!r} was replaced after fuse (e.g. by "
                                "parallelize_module applied after fk.fuse): its optimizer state belongs to the old "
                                "weight. Apply parallelize_module first, then fk.fuse")
@@ -172,6 +172,8 @@ class ForgeLinear(nn.Linear):
                            "its own backward")
 
     def _apply_step(self, x2d, dy2d):
+        # First, on every rank alike: bringing the operands to their layouts may take
+        # collectives, which a rank raising below must not leave its peers waiting in.
         if is_dtensor(self.weight):
             x2d, dy2d = local_operands(self.weight, x2d, dy2d)
         if self._failed_step is not None:
