@@ -57,6 +57,8 @@ def _serialize(value) -> bytes:
 
 def _rank_main(rank, world_size, store_path, backend, collective_timeout_s, jobs, results):
     os.environ.update(RANK_ENVIRONMENT)
+    # The ranks share the machine's cores; each taking all of them would oversubscribe.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

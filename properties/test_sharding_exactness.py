@@ -53,13 +53,15 @@ def test_sharded_update_equals_slice_in_low_precision_regimes(data, rank_pool):
     rank_pool(WORLD_SIZE).run(layers_match_slice, LayerCase(problem, regime, config), [rule], [sharding])
 
 
-RULES_FOR_EVERY_WORLD_SIZE = [fk.AdamW(lr=1e-2, weight_decay=0.1),
-                              fk.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)]
+FIXED_PROBLEM = Problem(tokens=8, out_features=10, in_features=8, dtype=torch.float32, steps=2, seed=11)
+ONE_RULE_PER_FAMILY = [fk.AdamW(lr=1e-2, weight_decay=0.1), fk.Adam(lr=1e-2),
+                       fk.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                       fk.Lion(lr=1e-3, weight_decay=0.1), fk.RMSprop(centered=True, momentum=0.5), fk.Adagrad(lr=0.1)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_every_sharding_on_1_2_and_4_ranks(world_size, rank_pool):
-    """Every engine and layout on one fixed small problem with uneven row shards, two
-    steps, on 1, 2 and 4 ranks (the drawn properties above cover every rule on 2)."""
-    problem = Problem(tokens=8, out_features=10, in_features=8, dtype=torch.float32, steps=2, seed=11)
-    rank_pool(world_size).run(layers_match_slice, LayerCase(problem), RULES_FOR_EVERY_WORLD_SIZE)
+def test_every_sharding_and_rule_on_1_2_and_4_ranks(world_size, rank_pool):
+    """Every engine and layout, one rule of every family, on one fixed small problem with
+    uneven row shards, two steps, on 1, 2 and 4 ranks (the drawn properties above vary
+    everything else on 2)."""
+    rank_pool(world_size).run(layers_match_slice, LayerCase(FIXED_PROBLEM), ONE_RULE_PER_FAMILY, timeout_s=300)
