@@ -29,6 +29,7 @@ from forge_kernels.parallel_linear import ColumnParallelForgeLinear, RowParallel
 from forge_kernels.tensor_parallel import local_weight, weight_slice
 
 from .bits import assert_bitwise_equal, ulp_distance
+from .problems import FP32
 from .sharding import chunk, device
 
 MODELS = ("mlp", "block")
@@ -142,21 +143,25 @@ def _local_state(model):
             for name, m in _linears(model).items()}
 
 
-def fused_equals_oracle(kind, engine, rules, steps=3, seed=0):
+def fused_equals_oracle(kind, engine, rules, steps=3, seed=0, regime=FP32):
     """Job: under one TP layout, fused and oracle training give the same weights and
-    state bitwise after every step."""
+    state bitwise after every step. In a bf16-weight regime the whole model (hence its
+    activations) is bf16."""
+    options = dict(state_format=regime.state_format, rounding=regime.rounding, seed=regime.seed)
     for rule in rules:
-        fused = _parallel(kind, engine, _mlp(seed=seed) if kind == "mlp" else _block(seed), rule)
-        oracle = _parallel(kind, engine, _mlp(seed=seed) if kind == "mlp" else _block(seed), rule, oracle=True)
+        models = [(_mlp(seed=seed) if kind == "mlp" else _block(seed)).to(regime.weight) for _ in range(2)]
+        fused = _parallel(kind, engine, models[0], rule, **options)
+        oracle = _parallel(kind, engine, models[1], rule, oracle=True, **options)
         for step, (x, target) in enumerate(_batches(kind, steps, seed), start=1):
+            x, target = x.to(regime.weight), target.to(regime.weight)
             _train_step(kind, fused, x, target)
             _train_step(kind, oracle, x, target)
             a, b = _local_state(fused), _local_state(oracle)
             for name in a:
                 for key in a[name]:
                     assert_bitwise_equal(a[name][key], b[name][key],
-                                         f"rank {dist.get_rank()}, {kind} {engine}, step {step}, {rule!r}: "
-                                         f"{name}.{key}")
+                                         f"rank {dist.get_rank()}, {kind} {engine}, step {step}, {rule!r}, "
+                                         f"{regime.describe()}: {name}.{key}")
 
 
 def forward_matches_plain_tp(kind, rule, seed=0):

@@ -7,9 +7,11 @@ and with exactly representable data TP and unsharded agree bitwise. The deviatio
 ordinary data is measured by ``forge-verify sharding`` (README), not asserted."""
 
 import pytest
+import torch
 
 import forge_kernels as fk
 from forge_verify import sharded_models as sm
+from forge_verify.problems import Regime
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 
@@ -24,6 +26,13 @@ EVERY_FAMILY = [fk.AdamW(lr=1e-2), fk.Adam(lr=1e-2), fk.SGD(lr=0.1, momentum=0.9
 ], ids=["mlp-dtensor", "mlp-megatron", "block-sp-dtensor"])
 def test_fused_model_equals_oracle_model_under_tp(kind, engine, rules, rank_pool):
     rank_pool(WORLD_SIZE).run(sm.fused_equals_oracle, kind, engine, rules, 3)
+
+
+@pytest.mark.parametrize("engine", ["dtensor", "megatron"])
+def test_fused_model_equals_oracle_model_under_tp_in_bf16(engine, rank_pool):
+    """bf16 weights, activations and state, stochastic rounding keyed on global indices."""
+    regime = Regime(weight=torch.bfloat16, state_format="bf16", rounding="stochastic", seed=21)
+    rank_pool(WORLD_SIZE).run(sm.fused_equals_oracle, "mlp", engine, TWO_RULES, 3, 0, regime)
 
 
 @pytest.mark.parametrize("kind", sm.MODELS, ids=["mlp", "block-sp"])
