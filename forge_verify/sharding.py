@@ -21,7 +21,7 @@ from forge_kernels.parallel_linear import ColumnParallelForgeLinear, RowParallel
 from forge_kernels.tensor_parallel import local_weight
 
 from .bits import assert_bitwise_equal
-from .problems import FP32, Problem, Regime
+from .problems import FP32, Problem, Regime, make_inputs
 
 #: how the layer is sharded: weight rows (column-parallel) or columns (row-parallel),
 #: with or without sequence parallelism (activations sharded on tokens between layers)
@@ -46,6 +46,7 @@ class LayerCase:
 
 
 def device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -56,16 +57,6 @@ def chunk(size: int, world: int, rank: int) -> slice:
     return slice(start, min(start + step, size))
 
 
-def layer_inputs(problem: Problem, regime: Regime, dev):
-    """The same weight and per-step (x, dy) on every rank, drawn on the CPU from the seed."""
-    gen = torch.Generator().manual_seed(problem.seed)
-    weight = torch.randn(problem.out_features, problem.in_features, generator=gen).to(regime.weight)
-    batches = [(torch.randn(problem.tokens, problem.in_features, generator=gen).mul(problem.scale)
-                .to(problem.dtype), torch.randn(problem.tokens, problem.out_features, generator=gen)
-                .to(problem.dtype)) for _ in range(problem.steps)]
-    return weight.to(dev), [(x.to(dev), dy.to(dev)) for x, dy in batches]
-
-
 def _linear(weight):
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
@@ -73,7 +64,7 @@ def _linear(weight):
     return linear
 
 
-def _fuse_options(rule, regime, config, seed):
+def _fuse_options(regime, config, seed):
     return dict(config=config, state_format=regime.state_format, rounding=regime.rounding, seed=seed)
 
 
@@ -83,7 +74,7 @@ def _sharded_layer(case: LayerCase, engine, layout, rule, weight, layer_seed):
     ``cols`` the slice of the whole weight its shard must equal (from the layout, not
     from the layer under test)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    options = _fuse_options(rule, case.regime, case.config, layer_seed)
+    options = _fuse_options(case.regime, case.config, layer_seed)
     column = layout.startswith("column")
     sequence_parallel = layout.endswith("_sp")
     if engine == "dtensor":
@@ -140,11 +131,12 @@ def layers_match_slice(case: LayerCase, rules: list, shardings=SHARDINGS) -> Non
     world = dist.get_world_size()
     if any(layout.endswith("_sp") for _, layout in shardings) and case.problem.tokens % world:
         raise ValueError(f"sequence parallelism needs the {case.problem.tokens} tokens divisible by {world} ranks")
-    weight, batches = layer_inputs(case.problem, case.regime, device())
+    inputs = make_inputs(case.problem, device(), case.regime)
+    weight, batches = inputs.weight, inputs.batches
     layer_seed = stream_seed(case.regime.seed, 1, 0)
     for rule in rules:
         whole = fk.ForgeLinear.from_linear(_linear(weight), rule,
-                                           **_fuse_options(rule, case.regime, case.config, layer_seed))
+                                           **_fuse_options(case.regime, case.config, layer_seed))
         sharded = [(engine, layout, *_sharded_layer(case, engine, layout, rule, weight, layer_seed))
                    for engine, layout in shardings]
         for step, (x, dy) in enumerate(batches, start=1):
@@ -169,7 +161,8 @@ def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
     """Job: does a column- or row-parallel shard stepped with ``shape_keyed_config`` of
     its own (local) shape differ from the slice of the whole weight stepped with the
     config of the whole shape? (False where the backend's BLOCK_T does not change bits.)"""
-    weight, batches = layer_inputs(problem, FP32, device())
+    inputs = make_inputs(problem, device())
+    weight, batches = inputs.weight, inputs.batches
     whole = fk.ForgeLinear.from_linear(_linear(weight), rule, config=shape_keyed_config(*weight.shape))
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = chunk(weight.shape[0], world, rank) if layout == "column" else slice(None)
