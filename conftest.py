@@ -44,7 +44,7 @@ def rank_pools():
     pools.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rank_pool(rank_pools):
     """``rank_pool(world_size)``: a live pool of that many ranks; skips where NCCL has
     fewer GPUs than ranks."""
