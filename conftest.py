@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import forge_kernels as fk
+from forge_verify.distributed import RankPools
 from forge_verify.hypothesis_profiles import load_profile
 
 load_profile()
@@ -34,3 +35,22 @@ def device():
 def backend():
     """The accumulation backend name used by the tolerance table."""
     return "interpreter" if fk.interpreting() else "gpu"
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture(scope="session")
+def rank_pool(rank_pools):
+    """``rank_pool(world_size)``: a live pool of that many ranks; skips where NCCL has
+    fewer GPUs than ranks."""
+    def get(world_size):
+        if rank_pools.backend == "nccl" and torch.cuda.device_count() < world_size:
+            pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs; this machine has "
+                        f"{torch.cuda.device_count()}")
+        return rank_pools.get(world_size)
+    return get

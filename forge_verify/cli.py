@@ -13,6 +13,7 @@ from . import demo
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
 from .problems import Problem
+from .sharding_report import sharding_report
 
 
 def main(argv=None) -> int:
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
     demo_parser.add_argument("--size", choices=sorted(demo.SIZES), default="small", help="model and batch size")
     demo_parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's)")
     demo_parser.add_argument("--out", default=None, help="output folder (default: $OUT, else ./demo_out)")
+    sharding = commands.add_parser("sharding", help="measure TP/SP against the unsharded model, and data/context "
+                                                    "parallelism and accumulation against the true step, on N ranks")
+    sharding.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
+    sharding.add_argument("--steps", type=int, default=3, help="steps per trajectory (default 3)")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -59,6 +64,9 @@ def main(argv=None) -> int:
         result = demo.run_demo(args.size, steps=args.steps, out=args.out or demo.default_out())
         print(demo.format_result(result))
         return 0 if result["fused_equals_oracle_bitwise"] else 1
+    if args.command == "sharding":
+        print(sharding_report(args.ranks, args.steps))
+        return 0
     return 2
 
 

@@ -89,3 +89,18 @@ RULES = {
                          weight_decay=_decay, initial_accumulator_value=st.sampled_from((0.0, 0.1)), eps=_eps),
 }
 """One strategy per rule family, keyed by the family's name."""
+
+
+@st.composite
+def sharded_problems(draw, world_size, *, max_steps=3, dtypes=ACTIVATION_DTYPES, q8_state=False):
+    """Problems every layout can shard over ``world_size`` ranks: tokens a multiple of the
+    ranks (sequence parallelism splits them evenly, as Megatron requires), input features
+    a multiple too (PyTorch's row-wise input hook assumes even shards), and with q8 state
+    whole q8 blocks per rank. Output features any size >= the ranks (uneven row shards)."""
+    feature_unit = world_size * (fk.q8.BLOCK if q8_state else 1)
+    return Problem(tokens=world_size * draw(st.integers(1, 12)),
+                   out_features=draw(st.integers(world_size, 40)),
+                   in_features=feature_unit * draw(st.integers(1, max(1, 40 // feature_unit))),
+                   dtype=draw(st.sampled_from(dtypes)), steps=draw(st.integers(1, max_steps)),
+                   seed=draw(st.integers(0, 2**31 - 1)), scale=draw(st.sampled_from((1e-3, 1.0, 30.0))),
+                   sparse=draw(st.booleans()))

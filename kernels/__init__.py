@@ -13,6 +13,7 @@ from .linear import ForgeLinear, ForgeLinearFunction, fuse
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.stochastic_round import stochastic_round
 from .ops.weight_gradient import weight_gradient
+from .weight_slice import WeightSlice
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, RMSprop, Rule, bias_corrections
 from .training import Trainer, fused_layers, unfused_parameters
 
@@ -20,5 +21,6 @@ __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round",
     "ForgeLinear", "ForgeLinearFunction", "fuse", "Trainer", "fused_layers", "unfused_parameters",
+    "WeightSlice",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",
 ]

@@ -5,6 +5,12 @@ in place through the fused kernel: one optimizer step per backward, counted in t
 layer's ``forge_step`` buffer. No weight gradient is returned (``weight.grad`` stays
 None), so an ordinary optimizer over ``model.parameters()`` skips fused weights;
 biases get ordinary gradients and are left to that optimizer.
+
+Tensor parallelism: a layer whose weight is a DTensor (``parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel``, applied *before* ``fuse``) runs its forward
+and dX on DTensors as plain PyTorch TP does, and steps its local shard with local
+operands that cover every token (``tensor_parallel``). Explicit-collective
+(Megatron-style) layers are in ``parallel_linear``.
 """
 
 import weakref
@@ -18,8 +24,14 @@ from .errors import NonFiniteUpdateError
 from .ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
 from .rules.base import Rule
+from .tensor_parallel import check_input_layout, is_dtensor, local_operands, local_weight
+from .tensor_parallel import weight_slice as weight_slice_of
+from .weight_slice import WeightSlice
 
 _STATE_PREFIX = "forge_state_"
+# What from_linear carries over besides the parameters, so that hooks installed on the
+# Linear (parallelize_module's layout hooks above all) keep acting on the fused layer.
+_MODULE_HOOK_REGISTRIES = tuple(name for name in vars(nn.Module()) if "hook" in name)
 
 
 class _PendingUse:
@@ -73,23 +85,26 @@ class ForgeLinear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,
-                 state_format="fp32", rounding=None, seed=0, device=None, dtype=None):
+                 state_format="fp32", rounding=None, seed=0, weight_slice=None, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_forge(rule, oracle, config, state_format, rounding, seed)
+        self._init_forge(rule, oracle, config, state_format, rounding, seed, weight_slice=weight_slice)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, state_format="fp32",
-                    rounding=None, seed=0, name=None):
-        """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy)."""
+                    rounding=None, seed=0, name=None, weight_slice=None):
+        """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy) and
+        its module hooks (e.g. the input/output layout hooks of ``parallelize_module``)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight = linear.weight
         layer.bias = linear.bias
-        layer._init_forge(rule, oracle, config, state_format, rounding, seed, name)
+        for attr in _MODULE_HOOK_REGISTRIES:
+            setattr(layer, attr, getattr(linear, attr))
+        layer._init_forge(rule, oracle, config, state_format, rounding, seed, name, weight_slice)
         return layer
 
-    def _init_forge(self, rule, oracle, config, state_format, rounding, seed, name=None):
+    def _init_forge(self, rule, oracle, config, state_format, rounding, seed, name=None, weight_slice=None):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if config is not None and not isinstance(config, TileConfig):
@@ -98,7 +113,13 @@ class ForgeLinear(nn.Linear):
             raise TypeError(f"fused layers keep float32 or bfloat16 weights; got {self.weight.dtype}")
         if rounding not in (None, *ROUNDINGS):
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if weight_slice is not None and not isinstance(weight_slice, WeightSlice):
+            raise TypeError(f"weight_slice must be a WeightSlice, got {type(weight_slice).__name__}")
+        if weight_slice is not None and is_dtensor(self.weight):
+            raise ValueError("a DTensor weight knows its place in the global weight; pass no weight_slice")
         self.rule, self.oracle, self.config, self.rounding = rule, bool(oracle), config, rounding
+        self.weight_slice = weight_slice if weight_slice is not None else (
+            weight_slice_of(self.weight) if is_dtensor(self.weight) else None)
         self.forge_name = name or "ForgeLinear"
         self._pending = weakref.WeakSet()
         self._failed_step = None
@@ -108,15 +129,18 @@ class ForgeLinear(nn.Linear):
         # The fused path returns no weight gradient; any gradient that reaches the weight
         # comes from a use outside this layer and would be a second, unfused step.
         self.weight.register_hook(self._refuse_outside_gradient)
-        state = rule.init_state(self.weight.detach(), state_format=state_format)
+        # parallelize_module replaces the Parameter by a DTensor: one applied after fuse
+        # leaves the state sized and placed for the whole weight.
+        self._fused_on_dtensor = is_dtensor(self.weight)
+        weight = local_weight(self.weight.detach())
+        state = rule.init_state(weight, state_format=state_format)
         self._state_keys = tuple(state)
         for key, tensor in state.items():
             self.register_buffer(_STATE_PREFIX + key, tensor)
-        self.register_buffer("forge_step", torch.zeros((), dtype=torch.int64, device=self.weight.device))
+        self.register_buffer("forge_step", torch.zeros((), dtype=torch.int64, device=weight.device))
         # The stochastic-rounding stream is part of the training state: a resumed run
         # must draw the same bits.
-        self.register_buffer("forge_seed", torch.tensor(check_seed(seed), dtype=torch.int64,
-                                                        device=self.weight.device))
+        self.register_buffer("forge_seed", torch.tensor(check_seed(seed), dtype=torch.int64, device=weight.device))
 
     @property
     def forge_state(self) -> dict:
@@ -127,6 +151,12 @@ class ForgeLinear(nn.Linear):
     def forward(self, x):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if is_dtensor(self.weight) != self._fused_on_dtensor:
+            raise RuntimeError(f"the weight of fused layer {self.forge_name!r} was replaced after fuse (e.g. by "
+                               "parallelize_module applied after fk.fuse): its optimizer state belongs to the old "
+                               "weight. Apply parallelize_module first, then fk.fuse")
+        if is_dtensor(self.weight):
+            check_input_layout(self.weight, x)
         if len(self._pending):
             raise RuntimeError(
                 f"fused layer {self.forge_name!r} was called again before the backward of its previous call: "
@@ -147,23 +177,32 @@ class ForgeLinear(nn.Linear):
 
     def _apply_step(self, x2d, dy2d, *, grad=None, rule=None, grad_scale=1.0, advance=True):
         """One step of ``rule`` (default: the layer's) with dW = dy2dᵀ x2d, or with a
-        materialized fp32 ``grad`` when given; the gradient is multiplied by ``grad_scale``
-        before the rule. ``advance=False`` leaves ``forge_step`` where it is (a micro-batch
-        of an accumulated step)."""
+        materialized fp32 ``grad`` (of the local shard) when given; the gradient is
+        multiplied by ``grad_scale`` before the rule. ``advance=False`` leaves
+        ``forge_step`` where it is (a micro-batch of an accumulated step)."""
+        # First, on every rank alike: bringing the operands to their layouts may take
+        # collectives, which a rank raising below must not leave its peers waiting in.
+        if is_dtensor(self.weight):
+            if grad is not None:
+                raise NotImplementedError(f"fused layer {self.forge_name!r} is tensor-parallel: a materialized "
+                                          "gradient for it is not supported")
+            x2d, dy2d = local_operands(self.weight, x2d, dy2d)
         if self._failed_step is not None:
             raise RuntimeError(
                 f"fused layer {self.forge_name!r} stopped at step {self._failed_step}: some of its tiles were "
                 "left unstepped after a non-finite update, so its weight and state are at mixed steps. Restore "
                 "a checkpoint, or call forge_accept_partial_step() to go on from here")
         step = int(self.forge_step) + 1
-        options = dict(config=self.config, rounding=self.rounding, seed=int(self.forge_seed), grad_scale=grad_scale)
+        options = dict(config=self.config, rounding=self.rounding, seed=int(self.forge_seed), grad_scale=grad_scale,
+                       weight_slice=self.weight_slice)
         try:
             with torch.no_grad():
+                weight = local_weight(self.weight.data)
                 if grad is None:
-                    fused_weight_update(x2d, dy2d, self.weight.data, self.forge_state, rule or self.rule, step,
+                    fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
                                         oracle=self.oracle, **options)
                 else:
-                    apply_rule(grad, self.weight.data, self.forge_state, rule or self.rule, step, **options)
+                    apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
         except NonFiniteUpdateError:
             self._failed_step = step
             raise
@@ -172,6 +211,8 @@ class ForgeLinear(nn.Linear):
         # The kernel writes the weight's memory directly; bump its version so autograd
         # refuses any graph that saved the old values.
         torch.autograd.graph.increment_version(self.weight)
+        if is_dtensor(self.weight):
+            torch.autograd.graph.increment_version(weight)
 
     def forge_accept_partial_step(self):
         """Go on after a NonFiniteUpdateError: the step that partly failed counts as taken

@@ -19,6 +19,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from .linear import ForgeLinear
 from .ops.validation import check_finite_inputs
 from .ops.weight_gradient import weight_gradient
+from .tensor_parallel import is_dtensor
 from .rules.sgd import SGD, SGDMicroBatch
 
 GRADIENTS = ("fused", "materialized")
@@ -125,6 +126,12 @@ class Trainer:
         self.layers = fused_layers(model)
         if not self.layers:
             raise ValueError("the model has no fused layers; call fk.fuse(model, rule) first")
+        sharded = [layer.forge_name for layer in self.layers if is_dtensor(layer.weight)]
+        if sharded:
+            raise NotImplementedError(
+                f"the Trainer does not handle tensor-parallel fused layers yet ({sharded[0]!r} holds a DTensor "
+                "weight): its clipping and accumulation passes would take gradients of the whole weight. Let "
+                "those layers step in their own backward, without a Trainer")
         self.rules = []
         for layer in self.layers:
             if not any(layer.rule is r for r in self.rules):

@@ -4,6 +4,7 @@ import importlib
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import forge_kernels as fk
@@ -48,3 +49,27 @@ def test_training_example_runs(device, tmp_path, monkeypatch):
         exec(compile(_python_block("Training integration"), "README.md", "exec"), names)
     assert int(fk.fused_layers(names["model"])[0].forge_step) == 1
     assert "model" in torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+
+
+def _run_parallelism_example(source):
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from forge_verify.sharding import device
+    dev = device()
+    rule = fk.AdamW()
+    shard = torch.randn(2, 4, device=dev)
+    names = {"fk": fk, "rule": rule, "mesh": init_device_mesh(dev.type, (dist.get_world_size(),)),
+             "mlp": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)).to(dev),
+             "linear1": nn.Linear(4, 8).to(dev), "linear2": nn.Linear(8, 4, bias=False).to(dev),
+             "tp_group": dist.group.WORLD, "x": torch.randn(3, 4, device=dev), "dy": torch.randn(3, 2, device=dev),
+             "shard": shard, "state": rule.init_state(shard), "step": 1, "row0": 2, "col0": 0, "global_shape": (4, 4)}
+    exec(compile(source, "README.md", "exec"), names)
+    return (isinstance(names["mlp"][0], fk.ForgeLinear) and isinstance(names["col"].linear, fk.ForgeLinear)
+            and isinstance(names["row"].linear, fk.ForgeLinear))
+
+
+@pytest.mark.distributed
+def test_parallelism_example_runs(rank_pool):
+    assert rank_pool(2).run(_run_parallelism_example, _python_block("Parallelism")) == [True, True]

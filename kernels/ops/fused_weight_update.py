@@ -19,6 +19,7 @@ from ..rules.base import NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, q8_decode, q8_encode
 from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
+from ..weight_slice import WeightSlice
 from .validation import (check_finite_inputs, check_grad_scale, check_gradient, check_update_inputs,
                          check_weight_and_state)
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
@@ -84,7 +85,7 @@ def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask,
 
 @triton.jit
 def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB, grad_scale,
+                   offs_n, offs_k, mask_n, mask_k, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
@@ -94,7 +95,8 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     anything in the tile is non-finite.
 
     bf16 stores and q8 codes round stochastically (one Philox stream per output, keyed
-    on the element's index in the weight) or to nearest; q8 state is decoded before the
+    on the element's index in the global weight: row ``row0 + n``, column ``col0 + k`` of
+    a weight with ``global_k`` columns) or to nearest; q8 state is decoded before the
     rule and re-encoded after it, block by block (``forge_kernels.q8``). A tile whose
     gradient, new weight or new state holds a NaN or infinity (or a value too large for
     its format) is not stored at all: weight and state keep their old values, and the
@@ -110,7 +112,8 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     mask = mask_n[:, None] & mask_k[None, :]
     idx = offs_n[:, None] * K + offs_k[None, :]
     eidx = offs_n[:, None] * KB + offs_k[None, :] // Q8_BLOCK
-    counter = idx.to(tl.uint32)
+    # int64: a global weight may hold up to 2**32 elements (all the counters of a stream).
+    counter = ((offs_n + row0).to(tl.int64)[:, None] * global_k + (offs_k + col0)[None, :]).to(tl.uint32)
     w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     zeros = tl.zeros_like(w)
     s0 = _load_slot(s0_ptr, e0_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0)
@@ -140,9 +143,9 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     tl.store(flag_ptr + tile_id, num_bad)
 
 
-@triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
+@triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed_w", "seed_s0", "seed_s1", "seed_s2"])
 def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
-                                flag_ptr, T, N, K, KB,
+                                flag_ptr, T, N, K, KB, row0, col0, global_k,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
                                 h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -161,15 +164,16 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB, grad_scale,
+                   offs_n, offs_k, mask_n, mask_k, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                    BLOCK_N, BLOCK_K)
 
 
-@triton.jit(do_not_specialize=["seed_w", "seed_s0", "seed_s1", "seed_s2"])
+@triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed_w", "seed_s0", "seed_s1", "seed_s2"])
 def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, N, K, KB,
-                       grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
+                       row0, col0, global_k, grad_scale,
+                       h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -185,7 +189,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB, grad_scale,
+                   offs_n, offs_k, mask_n, mask_k, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed_w, seed_s0, seed_s1, seed_s2,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                    BLOCK_N, BLOCK_K)
@@ -213,7 +217,7 @@ ROUNDINGS = ("stochastic", "nearest")
 class _Epilogue:
     """The validated, host-side arguments of the rule epilogue for one step."""
 
-    def __init__(self, weight, state, rule, step, config, rounding, seed, grad_scale):
+    def __init__(self, weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice):
         self.grad_scale = check_grad_scale(grad_scale)
         self.config = PINNED if config is None else config
         if not isinstance(self.config, TileConfig):
@@ -227,6 +231,11 @@ class _Epilogue:
         assert len(layout) == NUM_SLOTS
         state_format = rule.state_format(state)
         q8_state = state_format == "q8"
+        weight_slice = WeightSlice.whole(weight.shape) if weight_slice is None else weight_slice
+        if not isinstance(weight_slice, WeightSlice):
+            raise TypeError(f"weight_slice must be a forge_kernels.WeightSlice, got {type(weight_slice).__name__}")
+        weight_slice.check_fits(weight.shape, q8_state)
+        self.place = (weight_slice.row_start, weight_slice.col_start, weight_slice.global_shape[1])
         if q8_state and self.config.block_k < q8.BLOCK:
             raise ValueError(f"q8 state needs block_k >= {q8.BLOCK} (a tile must hold whole q8 blocks); "
                              f"config has block_k={self.config.block_k}")
@@ -252,7 +261,8 @@ class _Epilogue:
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
         N, K = weight.shape
         _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.table,
-                                      self.flags, N, K, self.blocks_per_row, self.grad_scale, *self.scalars, *self.seeds,
+                                      self.flags, N, K, self.blocks_per_row, *self.place, self.grad_scale,
+                                      *self.scalars, *self.seeds,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       **self.config.launch_options())
 
@@ -262,7 +272,8 @@ class _Epilogue:
         config = self.config
         _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, T, N, K,
-            self.blocks_per_row, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), self.grad_scale, *self.scalars, *self.seeds,
+            self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+            self.grad_scale, *self.scalars, *self.seeds,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
 
@@ -271,16 +282,19 @@ class _Epilogue:
 
 
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
-                        rounding=None, seed=0, grad_scale=1.0):
+                        rounding=None, seed=0, grad_scale=1.0, weight_slice=None):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
     is float32 or bfloat16 (no master copy); the state is float32 or bfloat16 as made
     by ``rule.init_state(weight, state_format=...)`` (fp32, bf16 or q8). The rule always
     computes in fp32; bf16 stores and q8 codes round ``"stochastic"`` (the default) or
-    ``"nearest"``; float32 stores are exact and ignore ``rounding``. Stochastic rounding draws from Philox streams
-    keyed on (``seed``, ``step``, which output, element index in the weight), so the
-    same call gives the same bits and successive steps are independent.
+    ``"nearest"``; float32 stores are exact and ignore ``rounding``. Stochastic rounding
+    draws from Philox streams keyed on (``seed``, ``step``, which output, element index in the weight), so the
+    same call gives the same bits and successive steps are independent. A shard of a
+    larger weight passes its ``weight_slice`` (:class:`WeightSlice`): elements are then
+    keyed on their index in the global weight, so a sharded update rounds exactly as
+    the unsharded one; ``None`` means the weight is whole.
 
     ``step`` is the 1-based step number the rule's scalars (bias corrections,
     first-step momentum) are computed for. ``oracle=True`` materializes dW with the
@@ -296,7 +310,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     gradient (decay and momentum still act), as torch.optim does with a zero grad.
     """
     check_update_inputs(x, dy, weight, state, rule)
-    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale)
+    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
     if weight.numel() == 0:
         return
     check_finite_inputs(x, dy)
@@ -308,13 +322,14 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     epilogue.raise_if_flagged(weight)
 
 
-def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0):
+def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0,
+               weight_slice=None):
     """One step of ``rule`` on a materialized fp32 gradient ``grad`` (N, K), in place: the
     epilogue of the fused kernel (same rounding streams, same non-finite guard) as its
     own kernel. With ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
     check_gradient(grad, weight)
     check_weight_and_state(weight, state, rule, read=[("grad", grad)])
-    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale)
+    epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
     if weight.numel() == 0:
         return
     check_finite_inputs(grad)

@@ -65,6 +65,10 @@ class Rule:
     #: slots that only ever hold values >= 0 (q8 stores them with the unsigned map)
     nonnegative = ()
 
+    #: True when one step is a linear map of (weight, state, gradient) together, so a
+    #: step on a gradient sum is the sum of steps (forge_kernels.token_split)
+    linear = False
+
     @property
     def slot_layout(self) -> tuple:
         """Slot names at positions s0, s1, s2 (``None`` where unused)."""

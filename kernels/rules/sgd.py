@@ -34,6 +34,9 @@ def sgd_update(w, g, buf, unused1, unused2, lr, weight_decay, buf_factor, grad_f
 
 class SGD(Rule):
     update = sgd_update
+    # w - lr * (g + wd * w), buf = b * buf + c * (g + wd * w) and Nesterov's sum: linear in
+    # (w, buf, g) for every setting, the first step (b = 0, c = 1) included.
+    linear = True
 
     def __init__(self, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
         self.lr = lr

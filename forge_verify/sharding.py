@@ -1,0 +1,177 @@
+"""The sharding claims, as jobs that run on every rank of a ``RankPool``.
+
+Each job builds the same seeded problem on every rank, runs the sharded layer (PyTorch
+tensor parallelism on DTensors, or the Megatron-style explicit-collective layers) and
+the unsharded one, and raises AssertionError on a rank whose shard differs bitwise
+from the matching slice of the unsharded result.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import forge_kernels as fk
+from forge_kernels.ops.stochastic_round import stream_seed
+from forge_kernels.parallel_linear import ColumnParallelForgeLinear, RowParallelForgeLinear
+from forge_kernels.tensor_parallel import local_weight
+
+from .bits import assert_bitwise_equal
+from .problems import FP32, Problem, Regime, make_inputs
+
+#: how the layer is sharded: weight rows (column-parallel) or columns (row-parallel),
+#: with or without sequence parallelism (activations sharded on tokens between layers)
+LAYOUTS = ("column", "row", "column_sp", "row_sp")
+#: who implements it: PyTorch's parallelize_module on DTensors, or explicit collectives
+ENGINES = ("dtensor", "megatron")
+
+
+SHARDINGS = tuple((engine, layout) for engine in ENGINES for layout in LAYOUTS)
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One layer problem: the same on every rank."""
+
+    problem: Problem
+    regime: Regime = FP32
+    config: fk.TileConfig | None = None
+
+    def describe(self) -> str:
+        return f"[{self.problem.describe()}; {self.regime.describe()}; {self.config}]"
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def chunk(size: int, world: int, rank: int) -> slice:
+    """Rank ``rank``'s part of ``size`` as torch.chunk (and DTensor's Shard) splits it."""
+    step = -(-size // world)
+    start = min(rank * step, size)
+    return slice(start, min(start + step, size))
+
+
+def _linear(weight):
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+def _fuse_options(regime, config, seed):
+    return dict(config=config, state_format=regime.state_format, rounding=regime.rounding, seed=seed)
+
+
+def _sharded_layer(case: LayerCase, engine, layout, rule, weight, layer_seed):
+    """(module, operands, rows, cols) for this rank: ``operands(x, dy)`` gives the
+    module's input and output gradient for the unsharded layer's (x, dy); ``rows`` and
+    ``cols`` the slice of the whole weight its shard must equal (from the layout, not
+    from the layer under test)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    options = _fuse_options(case.regime, case.config, layer_seed)
+    column = layout.startswith("column")
+    sequence_parallel = layout.endswith("_sp")
+    if engine == "dtensor":
+        mesh = init_device_mesh(device().type, (world,))
+        if column:
+            style = ColwiseParallel(input_layouts=Shard(0)) if sequence_parallel else ColwiseParallel()
+        else:
+            style = RowwiseParallel(output_layouts=Shard(0)) if sequence_parallel else RowwiseParallel()
+        # fuse seeds its first layer with stream_seed(seed, 1, 0): the reference layer's seed.
+        model = parallelize_module(nn.Sequential(_linear(weight)), mesh, {"0": style})
+        fk.fuse(model, rule, **{**options, "seed": case.regime.seed})
+        module = model
+    elif engine == "megatron":
+        parallel = ColumnParallelForgeLinear if column else RowParallelForgeLinear
+        module = parallel(_linear(weight), rule, sequence_parallel=sequence_parallel, **options)
+    else:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    rows = chunk(weight.shape[0], world, rank) if column else slice(None)
+    cols = slice(None) if column else chunk(weight.shape[1], world, rank)
+
+    def operands(x, dy):
+        tokens = chunk(x.shape[0], world, rank)
+        if column:
+            return (x[tokens] if sequence_parallel else x), dy[:, rows].contiguous()
+        return x[:, cols].contiguous(), (dy[tokens] if sequence_parallel else dy)
+
+    return module, operands, rows, cols
+
+
+def _fused_layer(module) -> fk.ForgeLinear:
+    return next(m for m in module.modules() if isinstance(m, fk.ForgeLinear))
+
+
+def _assert_slice_equal(local: dict, whole: dict, rows: slice, cols: slice, what: str):
+    if set(local) != set(whole):
+        raise AssertionError(f"{what}: state entries {sorted(local)} != {sorted(whole)}")
+    columns = range(whole["weight"].shape[1])[cols]
+    # q8 exponents: one per block of q8.BLOCK columns (shards hold whole blocks)
+    blocks = slice(columns.start // fk.q8.BLOCK, -(-columns.stop // fk.q8.BLOCK))
+    for key in sorted(whole):
+        expected = whole[key][rows, blocks if key.endswith(fk.q8.EXPONENT_SUFFIX) else cols]
+        assert_bitwise_equal(local[key], expected, f"{what}: {key}")
+
+
+def _snapshot(layer: fk.ForgeLinear) -> dict:
+    return {"weight": local_weight(layer.weight.detach()).cpu().clone(),
+            **{k: v.cpu().clone() for k, v in layer.forge_state.items()}}
+
+
+def layers_match_slice(case: LayerCase, rules: list, shardings=SHARDINGS) -> None:
+    """Job: for each rule and each (engine, layout), the sharded layer's local weight and
+    state after every step equal the matching slice of the unsharded fused layer's,
+    bitwise. The layers all see the same (x, dy) per step."""
+    world = dist.get_world_size()
+    if any(layout.endswith("_sp") for _, layout in shardings) and case.problem.tokens % world:
+        raise ValueError(f"sequence parallelism needs the {case.problem.tokens} tokens divisible by {world} ranks")
+    inputs = make_inputs(case.problem, device(), case.regime)
+    weight, batches = inputs.weight, inputs.batches
+    layer_seed = stream_seed(case.regime.seed, 1, 0)
+    for rule in rules:
+        whole = fk.ForgeLinear.from_linear(_linear(weight), rule,
+                                           **_fuse_options(case.regime, case.config, layer_seed))
+        sharded = [(engine, layout, *_sharded_layer(case, engine, layout, rule, weight, layer_seed))
+                   for engine, layout in shardings]
+        for step, (x, dy) in enumerate(batches, start=1):
+            whole(x).backward(dy)
+            expected = _snapshot(whole)
+            for engine, layout, module, operands, rows, cols in sharded:
+                x_local, dy_local = operands(x, dy)
+                module(x_local).backward(dy_local)
+                _assert_slice_equal(_snapshot(_fused_layer(module)), expected, rows, cols,
+                                    f"rank {dist.get_rank()} of {world}, {engine} {layout}, step {step}, {rule!r}, "
+                                    f"{case.describe()}")
+
+
+def shape_keyed_config(rows: int, cols: int) -> fk.TileConfig:
+    """A config chosen from the weight's shape, as a shape-keyed autotuner might: a
+    longer token block for larger weights. The library never does this (it pins one
+    config); the shard-shape property uses it to show what it would break."""
+    return fk.TileConfig(block_t=64 if rows * cols >= 1024 else 16)
+
+
+def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
+    """Job: does a column- or row-parallel shard stepped with ``shape_keyed_config`` of
+    its own (local) shape differ from the slice of the whole weight stepped with the
+    config of the whole shape? (False where the backend's BLOCK_T does not change bits.)"""
+    inputs = make_inputs(problem, device())
+    weight, batches = inputs.weight, inputs.batches
+    whole = fk.ForgeLinear.from_linear(_linear(weight), rule, config=shape_keyed_config(*weight.shape))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = chunk(weight.shape[0], world, rank) if layout == "column" else slice(None)
+    cols = slice(None) if layout == "column" else chunk(weight.shape[1], world, rank)
+    local_shape = weight[rows, cols].shape
+    parallel = ColumnParallelForgeLinear if layout == "column" else RowParallelForgeLinear
+    module = parallel(_linear(weight), rule, config=shape_keyed_config(*local_shape))
+    for x, dy in batches:
+        whole(x).backward(dy)
+        module(x[:, cols].contiguous()).backward(dy[:, rows].contiguous())
+    expected, local = _snapshot(whole)["weight"][rows, cols], _snapshot(module.linear)["weight"]
+    return not torch.equal(local.view(torch.int32), expected.contiguous().view(torch.int32))

@@ -1,0 +1,101 @@
+"""One optimizer step whose tokens are split: across ranks (data or context
+parallelism) or across micro-batches (gradient accumulation).
+
+The fused kernel applies the rule to the gradient summed over every token it is
+given; a fused step per part would apply it to partial sums, which is not the step
+(``tensor_parallel`` refuses such layouts). Two ways to take the true step instead:
+
+* ``linear_split_step``, for rules that are linear in (weight, state, gradient)
+  together (``rule.linear``: SGD with or without momentum): a step on a sum of
+  gradients is the sum of steps, so the first part steps (weight, state) and every
+  other part steps a zero copy, and the results are added (and all-reduced across
+  ranks). No gradient is materialized; each part costs one zero copy of the weight
+  and its state, and the all-reduce moves weight and state. Exact in real arithmetic;
+  in fp32 it differs from the one-kernel step only by the rounding of the
+  reassociated sums. fp32 weight and state only (a bf16 sum would round again).
+* ``materialized_split_step``, for any rule: the fp32 gradient of one bucket of rows
+  at a time, summed over the parts (and all-reduced), then the rule on that bucket
+  (``apply_rule``, same epilogue and rounding streams). Memory: one fp32 bucket,
+  ``bucket_rows x in_features x 4`` bytes. The same bits as the standard pipeline
+  (whole gradient per part, summed, all-reduced, then the rule) for any bucket size.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .ops.fused_weight_update import apply_rule, fused_weight_update
+from .ops.weight_gradient import weight_gradient
+from .weight_slice import WeightSlice
+
+
+def _check_parts(parts):
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise ValueError("parts must be a non-empty list of (x, dy) pairs: this rank's micro-batches")
+
+
+# group=None means this process alone (micro-batches only): pass dist.group.WORLD for
+# the default group explicitly, so accumulation inside a process group never reduces.
+def _world(group):
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group):
+    return 0 if group is None else dist.get_rank(group)
+
+
+def linear_split_step(parts, weight, state, rule, step, *, group=None, config=None):
+    """One step of a linear rule on the gradient summed over every part on every rank of
+    ``group`` (``None``: this process's parts alone); ``weight`` and ``state`` are
+    updated in place and equal on every rank afterwards."""
+    _check_parts(parts)
+    if not rule.linear:
+        raise ValueError(f"{rule!r} is not linear in (weight, state, gradient): a sum of steps is not the step. "
+                         "Use materialized_split_step (any rule; one fp32 bucket of the gradient in memory)")
+    if weight.dtype != torch.float32 or any(t.dtype != torch.float32 for t in state.values()):
+        raise TypeError("linear_split_step adds steps in the storage format: it needs fp32 weight and state "
+                        "(a bf16 or q8 sum would round once more per part)")
+    contributions = list(parts)
+    if _rank(group) == 0:
+        x, dy = contributions.pop(0)
+        fused_weight_update(x, dy, weight, state, rule, step, config=config)
+    else:
+        weight.zero_()
+        for tensor in state.values():
+            tensor.zero_()
+    zero_weight = torch.empty_like(weight)
+    zero_state = {key: torch.empty_like(tensor) for key, tensor in state.items()}
+    for x, dy in contributions:
+        zero_weight.zero_()
+        for tensor in zero_state.values():
+            tensor.zero_()
+        fused_weight_update(x, dy, zero_weight, zero_state, rule, step, config=config)
+        weight.add_(zero_weight)
+        for key, tensor in state.items():
+            tensor.add_(zero_state[key])
+    if _world(group) > 1:
+        for tensor in (weight, *state.values()):
+            dist.all_reduce(tensor, group=group)
+
+
+def materialized_split_step(parts, weight, state, rule, step, *, group=None, bucket_rows=None, config=None,
+                            rounding=None, seed=0, weight_slice=None):
+    """One step of any rule on the gradient summed over every part on every rank of
+    ``group``, materialized ``bucket_rows`` rows at a time (default: all rows).
+    ``weight_slice`` places a tensor-parallel shard, as in ``fused_weight_update``."""
+    _check_parts(parts)
+    rows, cols = weight.shape
+    bucket_rows = rows if bucket_rows is None else bucket_rows
+    if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
+        raise ValueError(f"bucket_rows must be a positive integer, got {bucket_rows!r}")
+    place = weight_slice or WeightSlice.whole(weight.shape)
+    for start in range(0, rows, bucket_rows):
+        stop = min(rows, start + bucket_rows)
+        grad = None
+        for x, dy in parts:
+            part = weight_gradient(x, dy[:, start:stop], config=config)
+            grad = part if grad is None else grad.add_(part)
+        if _world(group) > 1:
+            dist.all_reduce(grad, group=group)
+        apply_rule(grad, weight[start:stop], {key: tensor[start:stop] for key, tensor in state.items()}, rule, step,
+                   config=config, rounding=rounding, seed=seed,
+                   weight_slice=WeightSlice(place.row_start + start, place.col_start, place.global_shape))
