@@ -8,6 +8,7 @@ import torch
 
 import forge_kernels as fk
 
+from . import gate
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import deviation_table, format_rows
 from .problems import Problem
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     deviation.add_argument("--tokens", type=int, default=32, help="tokens per step (default 32)")
     deviation.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
+    gate.add_parser(commands)
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
               f"backend: {'Triton interpreter (CPU)' if fk.interpreting() else 'GPU'}")
         print(format_rows(deviation_table(rule, problem, checkpoints)))
         return 0
+    if args.command == "gate":
+        return gate.run(args)
     return 2
 
 
