@@ -170,7 +170,7 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
         if fail_fast and failures:
             break
     print(f"forge-verify gate on {here} ({provenance()['device']}, torch {torch.__version__}, "
-          f"triton {triton.__version__}); baseline {baseline_path}")
+          f"triton {triton.__version__}); kernels {Path(fk.__file__).parent}; baseline {baseline_path}")
     print(render_table(("rule", "regime", "activations", "bits vs baseline", "enclosure use (<= 1)", "max ulp vs exact"), rows))
     print()
     if update:
