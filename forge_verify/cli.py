@@ -8,7 +8,7 @@ import torch
 
 import forge_kernels as fk
 
-from . import gate
+from . import gate, report
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import deviation_table, format_rows
 from .problems import Problem
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     deviation.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
     gate.add_parser(commands)
+    report.add_parser(commands)
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
         return 0
     if args.command == "gate":
         return gate.run(args)
+    if args.command == "report":
+        return report.run(args)
     return 2
 
 

@@ -62,7 +62,7 @@ class Deviation:
     relative_rms: float
 
 
-def _ulp(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+def ulp_at(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     # eps is the ulp of 1.0; below the normal range the ulp stays that of the smallest normal.
     finfo = torch.finfo(dtype)
     magnitude = np.maximum(np.abs(exact), finfo.tiny)
@@ -71,7 +71,7 @@ def _ulp(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 def measure_deviation(regime_name, method, steps, weight, exact, w0, dtype) -> Deviation:
     error = weight.detach().cpu().double().numpy() - exact
-    ulps = error / _ulp(exact, dtype)
+    ulps = error / ulp_at(exact, dtype)
     along = ulps * np.sign(exact - w0)
     change = np.sqrt(np.mean((exact - w0) ** 2))
     return Deviation(regime_name, method, steps, float(np.abs(ulps).max()), float(np.median(np.abs(ulps))),

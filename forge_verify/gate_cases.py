@@ -53,7 +53,8 @@ def _problem(dtype, steps, seed=3):
     return Problem(tokens=50, out_features=40, in_features=72, dtype=dtype, steps=steps, seed=seed)
 
 
-_EXACT_RULES = {
+#: one representative of each rule family, with the features that give it state switched on
+RULES = {
     "adamw": fk.AdamW(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01),
     "sgd": fk.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
     "lion": fk.Lion(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01),
@@ -64,8 +65,8 @@ _EXACT_RULES = {
 
 def canonical_cases() -> list:
     cases = [Case(name, rule, "fp32 weight, fp32 state", FP32, _problem(torch.float32, EXACT_STEPS))
-             for name, rule in _EXACT_RULES.items()]
-    adamw = _EXACT_RULES["adamw"]
+             for name, rule in RULES.items()]
+    adamw = RULES["adamw"]
     for regime_name, regime in REGIMES.items():
         steps = EXACT_STEPS if regime == FP32 else LOW_PRECISION_STEPS
         cases.append(Case("adamw", adamw, regime_name, regime, _problem(torch.bfloat16, steps)))
