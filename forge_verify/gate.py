@@ -40,8 +40,8 @@ _TOLERANCE_BACKEND = {"cpu-interpreter": "interpreter", "gpu": "gpu"}
 REGRESSION_MARGIN = 0.25
 REGRESSION_SLACK = {"enclosure_use": 0.02, "reference_max_ulp": 1.0, "exact_max_ulp": 0.5,
                     "exact_bias_ulp": 0.1, "exact_spread_ulp": 0.1, "exact_relative_rms": 1e-4}
-UPDATE_COMMAND = {"cpu-interpreter": "forge-verify gate --update",
-                  "gpu": "bash .ci/gpu-gate --update --backend gpu   (on the GPU machine)"}
+UPDATE_COMMAND = {"cpu-interpreter": "`forge-verify gate --update` on a machine without a GPU",
+                  "gpu": "`bash .ci/gpu-gate --update --backend gpu` on the GPU machine"}
 
 
 def current_backend() -> str:
@@ -181,10 +181,10 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
     for other in BACKENDS:
         if other != here and other not in baseline["backends"]:
             print(f"{other}: no baseline recorded yet, so this run checks nothing for it; record one with "
-                  f"`{UPDATE_COMMAND[other]}`")
+                  f"{UPDATE_COMMAND[other]}")
     if section is None:
         failures.append(f"{here}: no baseline recorded for this backend; only the proven bounds were checked. "
-                        f"Record one with `{UPDATE_COMMAND[here]}` and review the result")
+                        f"Record one with {UPDATE_COMMAND[here]} and review the result")
     elif section["provenance"] != provenance():
         print(f"note: the {here} baseline was recorded with {section['provenance']}; this run has {provenance()}")
     for failure in failures:

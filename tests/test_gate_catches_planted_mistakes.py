@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from forge_verify.check import PROFILE_VARIABLE
+from forge_verify.gate import BASELINE, current_backend, load
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,6 +82,9 @@ def _run(args, planted: Path) -> subprocess.CompletedProcess:
 
 
 def _check_caught(mistake: Mistake, tmp_path: Path):
+    if any("bits changed" in phrase for phrase in mistake.gate_says) and \
+            current_backend() not in load(BASELINE)["backends"]:
+        pytest.skip(f"no {current_backend()} baseline recorded yet: a changed bit cannot be seen without one")
     planted = _planted(mistake, tmp_path)
     gate = _run(["-m", "forge_verify.cli", "gate", "--fail-fast"], planted)
     output = gate.stdout + gate.stderr
