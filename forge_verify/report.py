@@ -59,13 +59,15 @@ def execute(source: Path, parameters: dict, out_dir: Path = BUILD, cell_timeout:
     # Their path is absolute, since the kernel runs in ROOT, wherever the caller is.
     client.km = client.create_kernel_manager()
     client.km.transport = "ipc"
-    with tempfile.TemporaryDirectory(prefix="forge-report-") as sockets:
-        client.km.ip = str(Path(sockets) / "kernel")
-        client.execute()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / source.stem
     ipynb, html = stem.with_suffix(".ipynb"), stem.with_suffix(".html")
-    nbformat.write(notebook, ipynb)
+    try:
+        with tempfile.TemporaryDirectory(prefix="forge-report-") as sockets:
+            client.km.ip = str(Path(sockets) / "kernel")
+            client.execute()
+    finally:  # a failed run leaves its partly executed notebook, with the traceback, to read
+        nbformat.write(notebook, ipynb)
     html.write_text(HTMLExporter().from_notebook_node(notebook)[0])
     written = [ipynb, html]
     for number, png in enumerate(_figures(notebook), start=1):

@@ -103,6 +103,8 @@ def test_an_error_in_a_cell_fails_the_run(tmp_path, monkeypatch, capsys):
     source = _notebook(tmp_path, 'raise RuntimeError("planted")')
     with pytest.raises(CellExecutionError, match="planted"):
         report.execute(source, {"MODE": "fast"}, tmp_path / "out")
+    assert "RuntimeError" in _outputs(tmp_path / "out" / "tiny.ipynb")
+    assert not (tmp_path / "out" / "tiny.html").exists()
     monkeypatch.setattr(report, "REPORTS", tmp_path)
     monkeypatch.setattr(report, "ROOT", tmp_path)
     assert main(["report", "--mode", "fast", "--out", str(tmp_path / "out")]) == 1
