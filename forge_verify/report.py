@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "reports"
 BUILD = ROOT / "build" / "reports"
 MODES = ("fast", "full")
-CELL_TIMEOUT_S = 600
+CELL_TIMEOUT_S = 1200
 
 
 def report_sources() -> list:
