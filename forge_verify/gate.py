@@ -171,7 +171,8 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
             break
     print(f"forge-verify gate on {here} ({provenance()['device']}, torch {torch.__version__}, "
           f"triton {triton.__version__}); kernels {Path(fk.__file__).parent}; baseline {baseline_path}")
-    print(render_table(("rule", "regime", "activations", "bits vs baseline", "enclosure use (<= 1)", "max ulp vs exact"), rows))
+    print(render_table(("rule", "regime", "activations", "bits vs baseline", "enclosure use (<= 1)",
+                        "max ulp vs exact"), rows))
     print()
     if update:
         return _update(baseline, baseline_path, here, section, measured, failures)

@@ -53,7 +53,8 @@ SETTINGS = {
 }[MODE]
 BACKEND = "interpreter" if fk.interpreting() else "gpu"
 DEVICE = fk.kernel_device()
-say(f"Mode **{MODE}**; kernels {'on the Triton CPU interpreter' if fk.interpreting() else 'compiled on ' + torch.cuda.get_device_name()}; "
+where = "on the Triton CPU interpreter" if fk.interpreting() else f"compiled on {torch.cuda.get_device_name()}"
+say(f"Mode **{MODE}**; kernels {where}; "
     f"config `{CONFIG}`; seeds {SETTINGS['seeds']}, {SETTINGS['steps']} step(s), activations "
     f"{', '.join(str(d).replace('torch.', '') for d in SETTINGS['activations'])}.")
 
