@@ -71,7 +71,7 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     w0 = inputs.weight.detach().cpu()
     s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
     w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
-    for step, x, dy, w_enc, s_enc in _enclosure_trajectory(rule, regime, backend, inputs):
+    for step, x, dy, w_enc, s_enc in enclosure_trajectory(rule, regime, backend, inputs):
         w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
     what = f"[{rule!r}; {problem.describe()}; {config}]"
     _assert_inside(w_enc, weight, f"kernel weight {what}")
@@ -92,7 +92,7 @@ def exact_inside_enclosure(problem, rule, backend, *, regime=FP32) -> None:
     s0 = decoded_state(rule, rule.init_state(inputs.weight, state_format=regime.state_format))
     with mpmath.workprec(PRECISION_BITS):
         w_mp, s_mp = MPMATH.value(inputs.weight), {k: MPMATH.value(v) for k, v in s0.items()}
-        for step, x, dy, w_enc, s_enc in _enclosure_trajectory(rule, regime, backend, inputs):
+        for step, x, dy, w_enc, s_enc in enclosure_trajectory(rule, regime, backend, inputs):
             w_mp, s_mp = reference_step(rule, w_mp, exact_weight_grad(x, dy), s_mp, step, MPMATH)
             what = f"exact trajectory at step {step} [{rule!r}; {problem.describe()}; {regime.describe()}]"
             # to_float64 rounds the 113-bit value to the nearest float64; the enclosure's
@@ -102,7 +102,7 @@ def exact_inside_enclosure(problem, rule, backend, *, regime=FP32) -> None:
                 _assert_inside(s_enc[slot], torch.from_numpy(to_float64(s_mp[slot])), f"{what}: state[{slot!r}]")
 
 
-def _enclosure_trajectory(rule, regime, backend, inputs):
+def enclosure_trajectory(rule, regime, backend, inputs):
     """(step, x, dy, weight enclosure, state enclosures) after each step of ``inputs``."""
     w0 = inputs.weight.detach().cpu()
     s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))

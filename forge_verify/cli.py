@@ -10,6 +10,7 @@ import torch
 import forge_kernels as fk
 
 from . import demo
+from . import gate, report
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
 from .problems import Problem
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
                                                     "parallelism and accumulation against the true step, on N ranks")
     sharding.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     sharding.add_argument("--steps", type=int, default=3, help="steps per trajectory (default 3)")
+    gate.add_parser(commands)
+    report.add_parser(commands)
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -67,6 +70,10 @@ def main(argv=None) -> int:
     if args.command == "sharding":
         print(sharding_report(args.ranks, args.steps))
         return 0
+    if args.command == "gate":
+        return gate.run(args)
+    if args.command == "report":
+        return report.run(args)
     return 2
 
 

@@ -73,16 +73,16 @@ class Deviation:
     relative_rms: float
 
 
-def _ulp(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+def ulp_at(exact: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     # eps is the ulp of 1.0; below the normal range the ulp stays that of the smallest normal.
     finfo = torch.finfo(dtype)
     magnitude = np.maximum(np.abs(exact), finfo.tiny)
     return 2.0 ** np.floor(np.log2(magnitude)) * finfo.eps
 
 
-def _measure(regime_name, method, steps, weight, exact, w0, dtype) -> Deviation:
+def measure_deviation(regime_name, method, steps, weight, exact, w0, dtype) -> Deviation:
     error = weight.detach().cpu().double().numpy() - exact
-    ulps = error / _ulp(exact, dtype)
+    ulps = error / ulp_at(exact, dtype)
     along = ulps * np.sign(exact - w0)
     change = np.sqrt(np.mean((exact - w0) ** 2))
     return Deviation(regime_name, method, steps, float(np.abs(ulps).max()), float(np.median(np.abs(ulps))),
@@ -122,20 +122,26 @@ def deviation_table(rule, problem: Problem, checkpoints=(1, 10, 100), regimes=RE
     base = make_inputs(problem, device)
     rows = []
     exact_at = {}
-    with mpmath.workprec(PRECISION_BITS):
-        for name, regime in regimes.items():
-            w0 = base.weight.to(regime.weight)
-            key = regime.weight
-            if key not in exact_at:
-                w = MPMATH.value(w0)
-                state = {k: MPMATH.value(v) for k, v in rule.init_state(w0.double()).items()}
-                exact_at[key] = {}
-                for step, (x, dy) in enumerate(base.batches, start=1):
-                    w, state = reference_step(rule, w, exact_weight_grad(x, dy), state, step, MPMATH)
-                    if step in checkpoints:
-                        exact_at[key][step] = to_float64(w)
-            rows += _run_methods(name, regime, rule, base, w0, exact_at[key], checkpoints)
+    for name, regime in regimes.items():
+        w0 = base.weight.to(regime.weight)
+        if regime.weight not in exact_at:
+            exact_at[regime.weight] = exact_trajectory(rule, w0, base.batches, checkpoints)
+        rows += _run_methods(name, regime, rule, base, w0, exact_at[regime.weight], checkpoints)
     return rows
+
+
+def exact_trajectory(rule, w0: torch.Tensor, batches, checkpoints) -> dict:
+    """{step: float64 weight} of the exact trajectory from ``w0`` (exact gradient sums, the
+    rule in mpmath at 113 bits, nothing rounded) at each checkpoint."""
+    exact = {}
+    with mpmath.workprec(PRECISION_BITS):
+        w = MPMATH.value(w0)
+        state = {k: MPMATH.value(v) for k, v in rule.init_state(w0.double()).items()}
+        for step, (x, dy) in enumerate(batches, start=1):
+            w, state = reference_step(rule, w, exact_weight_grad(x, dy), state, step, MPMATH)
+            if step in checkpoints:
+                exact[step] = to_float64(w)
+    return exact
 
 
 def _run_methods(name, regime, rule, base, w0, exact, checkpoints):
@@ -165,7 +171,7 @@ def _run_methods(name, regime, rule, base, w0, exact, checkpoints):
                 optimizer.step()
                 weight = param.detach()
             if step in checkpoints:
-                rows.append(_measure(name, method, step, weight, exact[step], start, regime.weight))
+                rows.append(measure_deviation(name, method, step, weight, exact[step], start, regime.weight))
         if method == "torchao 8-bit" and type(optimizer.state[param]["exp_avg"]).__name__ != "OptimState8bit":
             rows = [row for row in rows if row.method != method]
     return rows

@@ -2,7 +2,9 @@
 
 * ``dev`` (default): few random examples, for quick local runs;
 * ``ci``: derandomized (the same examples every run), no deadline (JIT compiles);
-* ``nightly``: many random examples.
+* ``nightly``: many random examples;
+* ``first-failure``: ``ci`` without shrinking, for showing that a planted mistake is
+  caught (the first failing example is enough; shrinking it would cost minutes).
 
 ``max_examples`` is per property and per rule: the exactness tier in CI checks
 ``ci`` examples of each rule family.
@@ -10,7 +12,7 @@
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from .check import PROFILE_VARIABLE
 
@@ -20,6 +22,8 @@ _COMMON = dict(deadline=None, print_blob=True,
 settings.register_profile("dev", max_examples=8, **_COMMON)
 settings.register_profile("ci", max_examples=20, derandomize=True, **_COMMON)
 settings.register_profile("nightly", max_examples=300, **_COMMON)
+settings.register_profile("first-failure", max_examples=20, derandomize=True,
+                          phases=(Phase.explicit, Phase.generate), **_COMMON)
 
 
 def load_profile() -> str:

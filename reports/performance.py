@@ -1,0 +1,65 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Performance, from recorded benchmark results
+#
+# Plotted from the CSVs under `benchmarks/results/` (columns `gpu, torch, triton,
+# commit, n, k, tokens, regime, method, median_ms, min_ms, max_ms, peak_bytes`), which
+# GPU runs record; nothing is measured here, and nothing is claimed without a recorded
+# row. The dotted line is the memory-traffic floor of one fused AdamW step: weight and
+# state read and written once, bf16 activations read once, at the GPU's datasheet peak
+# bandwidth (`forge_verify.benchmark_results.floor_ms`).
+
+# %% tags=["parameters"]
+MODE = "full"  # the same in both modes: this report only reads recorded results
+RESULTS = "benchmarks/results/*.csv"
+
+# %%
+import glob
+
+from forge_verify.benchmark_results import floor_ms, load_results, memory_figure, time_figure
+from forge_verify.notebook import say, show, show_table
+
+paths = sorted(glob.glob(RESULTS))
+rows = load_results(paths)
+if not rows:
+    say(f"**No benchmark results recorded**: no rows in `{RESULTS}`. There is nothing to plot, and no "
+        "performance figure is claimed.")
+else:
+    say(f"{len(rows)} rows from {len(paths)} file(s): " + ", ".join(f"`{p}`" for p in paths) + ".")
+    versions = sorted({(r["gpu"], r["torch"], r["triton"], r["commit"]) for r in rows})
+    show_table(["gpu", "torch", "triton", "commit"], versions)
+
+# %%
+if rows:
+    show(time_figure(rows))
+    unknown = sorted({(r["gpu"], r["regime"]) for r in rows
+                      if floor_ms(r["gpu"], r["n"], r["k"], r["tokens"], r["regime"]) is None})
+    if unknown:
+        say("No memory-traffic floor drawn for (gpu, regime) " + ", ".join(f"`{u}`" for u in unknown)
+            + ": its peak bandwidth or its storage formats are not known to `forge_verify.benchmark_results`.")
+
+# %%
+if rows:
+    show(memory_figure(rows))
+
+# %%
+if rows:
+    show_table(["gpu", "n × k", "regime", "tokens", "method", "median ms", "min ms", "max ms", "peak MiB",
+                "floor ms"],
+               [[r["gpu"], f"{r['n']}×{r['k']}", r["regime"], r["tokens"], r["method"], f"{r['median_ms']:.4g}",
+                 f"{r['min_ms']:.4g}", f"{r['max_ms']:.4g}", f"{r['peak_bytes'] / 2**20:.1f}",
+                 (lambda f: "-" if f is None else f"{f:.4g}")(floor_ms(r["gpu"], r["n"], r["k"], r["tokens"],
+                                                                       r["regime"]))]
+                for r in sorted(rows, key=lambda r: (r["gpu"], r["n"], r["k"], r["regime"], r["tokens"],
+                                                     r["method"]))])

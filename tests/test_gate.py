@@ -1,0 +1,121 @@
+"""The gate's bookkeeping: recording, passing, failing with a precise message, refusing
+a baseline past a proven bound, and saying plainly when a backend has no baseline.
+(That it catches real kernel mistakes: tests/test_gate_catches_planted_mistakes.py.)"""
+
+import copy
+import json
+
+import pytest
+
+from forge_verify import gate
+from forge_verify.gate_cases import canonical_cases
+
+WHERE = "kernel fused_weight_update, rule sgd, regime 'fp32 weight, fp32 state', shape T=50 N=40 K=72"
+
+
+@pytest.fixture
+def sgd_case(monkeypatch):
+    """The gate restricted to its SGD case, so each run takes a second."""
+    case = next(c for c in canonical_cases() if c.rule_name == "sgd")
+    monkeypatch.setattr(gate, "canonical_cases", lambda: [case])
+    return case
+
+
+def _other_backend():
+    return next(b for b in gate.BACKENDS if b != gate.current_backend())
+
+
+def test_record_pass_change_and_review(sgd_case, tmp_path, capsys):
+    path = tmp_path / "gate.json"
+    assert gate.run_gate(path) == 1
+    assert f"{gate.current_backend()}: no baseline recorded for this backend" in capsys.readouterr().out
+
+    assert gate.run_gate(path, update=True) == 0
+    assert f"+ {sgd_case.key}: new case" in capsys.readouterr().out
+    assert gate.run_gate(path) == 0
+    out = capsys.readouterr().out
+    assert "forge-verify gate: passed" in out
+    assert f"{_other_backend()}: no baseline recorded yet, so this run checks nothing for it" in out
+
+    # What a kernel change looks like to the gate: the recorded weight differs by 3 ulps in sum.
+    baseline = json.loads(path.read_text())
+    recorded = baseline["backends"][gate.current_backend()]["cases"][sgd_case.key]["fingerprints"]["weight"]
+    recorded["sha256"], recorded["ulp_sum"] = "0" * 64, recorded["ulp_sum"] - 3
+    path.write_text(json.dumps(baseline))
+    assert gate.run_gate(path) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: {WHERE} (float32 activations, 3 steps, seed 3): weight bits changed without a baseline " \
+           f"update (net shift +3 ulp over [40, 72]" in out
+
+    assert gate.run_gate(path, update=True) == 0
+    assert f"~ {sgd_case.key}: bits of weight changed" in capsys.readouterr().out
+    assert gate.run_gate(path) == 0
+
+
+def test_another_backends_section_is_left_alone(sgd_case, tmp_path):
+    path = tmp_path / "gate.json"
+    other = {"provenance": {"device": "elsewhere"}, "cases": {}}
+    gate.save(path, {"backends": {_other_backend(): other}})
+    assert gate.run_gate(path, update=True) == 0
+    assert gate.load(path)["backends"][_other_backend()] == other
+
+
+def test_a_backend_is_recorded_only_where_kernels_run_on_it(sgd_case, tmp_path):
+    assert gate.run_gate(tmp_path / "gate.json", update=True, backend=_other_backend()) == 2
+    assert not (tmp_path / "gate.json").exists()
+
+
+def test_a_case_dropped_from_the_canonical_set_fails(sgd_case, tmp_path, capsys):
+    path = tmp_path / "gate.json"
+    gate.run_gate(path, update=True)
+    baseline = json.loads(path.read_text())
+    cases = baseline["backends"][gate.current_backend()]["cases"]
+    cases["retired | case"] = copy.deepcopy(cases[sgd_case.key])
+    path.write_text(json.dumps(baseline))
+    capsys.readouterr()
+    assert gate.run_gate(path) == 1
+    assert "retired | case: in the baseline but no longer a canonical case" in capsys.readouterr().out
+
+
+def test_update_is_refused_past_a_proven_bound(sgd_case, tmp_path, monkeypatch, capsys):
+    real_measure = gate.measure
+
+    def outside(*args):
+        result = real_measure(*args)
+        result["statistics"]["outside_enclosure"] = 2
+        return result
+
+    monkeypatch.setattr(gate, "measure", outside)
+    assert gate.run_gate(tmp_path / "gate.json", update=True) == 1
+    out = capsys.readouterr().out
+    assert f"{WHERE} (float32 activations, 3 steps, seed 3): outside_enclosure = 2 exceeds its proven bound 0" in out
+    assert "refused" in out and not (tmp_path / "gate.json").exists()
+
+
+def _entry(**statistics):
+    return {"fingerprints": {"weight": {"dtype": "float32", "shape": [2], "sha256": "a" * 64, "ulp_sum": 0}},
+            "statistics": dict(outside_enclosure=0, enclosure_use=0.5, reference_max_ulp=10.0, **statistics)}
+
+
+def test_statistics_fail_past_their_bound_or_margin(sgd_case):
+    recorded = _entry()
+    assert gate.compare(sgd_case, recorded, _entry()) == []
+    within_margin = _entry()
+    within_margin["statistics"]["reference_max_ulp"] = 10.0 * 1.25 + 1.0
+    assert gate.compare(sgd_case, recorded, within_margin) == []
+
+    regressed = _entry()
+    regressed["statistics"]["reference_max_ulp"] = 20.0
+    assert gate.compare(sgd_case, recorded, regressed) == [
+        f"{WHERE} (float32 activations, 3 steps, seed 3): reference_max_ulp regressed from 10 to 20 "
+        "(+100%, margin 25% + 1)"]
+    past_bound = _entry()
+    past_bound["statistics"]["enclosure_use"] = 1.5
+    failures = gate.compare(sgd_case, recorded, past_bound)
+    assert any("enclosure_use = 1.5 exceeds its proven bound 1" in f for f in failures)
+
+    biased = _entry(exact_bias_ulp=-0.2)
+    assert gate.compare(sgd_case, _entry(exact_bias_ulp=0.1), biased) == []
+    biased["statistics"]["exact_bias_ulp"] = -0.3
+    assert "exact_bias_ulp regressed from 0.1 to 0.3" in gate.compare(sgd_case, _entry(exact_bias_ulp=0.1),
+                                                                      biased)[0]
