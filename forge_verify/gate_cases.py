@@ -33,7 +33,7 @@ class Case:
 
     @property
     def low_precision(self) -> bool:
-        return self.regime.stores_bf16 or self.regime.state_format == "q8"
+        return self.regime.rounds
 
     @property
     def key(self) -> str:
