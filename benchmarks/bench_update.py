@@ -136,7 +136,7 @@ def methods(layer, regime, config):
         fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config, seed=next(seed))
     found["forge"] = forge
 
-    epilogue = _Epilogue(layer.w, state, r, 1, config, None, 0)
+    epilogue = _Epilogue(layer.w, state, r, 1, config, None, 0, 1.0, None)
     found["forge kernel"] = lambda: epilogue.fused(layer.x, layer.dy, layer.w)
 
     param = torch.nn.Parameter(layer.w.clone())

@@ -46,7 +46,7 @@ MISTAKES = [
             ("rule adamw", "exceeds its proven bound"),
             ("properties/test_reference_closeness.py", "-k", "adamw")),
     Mistake("stochastic rounding keyed on the tile", "ops/fused_weight_update.py",
-            "counter = idx.to(tl.uint32)",
+            "counter = ((offs_n + row0).to(tl.int64)[:, None] * global_k + (offs_k + col0)[None, :]).to(tl.uint32)",
             "counter = (tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]).to(tl.uint32)",
             ("regime 'fp32 weight, bf16 state, stochastic'", "bits changed"),
             ("properties/test_tile_invariance.py", "-k", "equivalent_configs and adamw")),
