@@ -13,7 +13,7 @@ Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
 forward, backward and optimizer); peak is ``torch.cuda.max_memory_allocated`` over the
 timed steps. Writes a CSV and prints a table.
 
-    python3 benchmarks/bench_model.py --out benchmarks/results/h200-model.csv
+    python3 benchmarks/bench_model.py --out benchmarks/results/model/h200.csv
 """
 
 import argparse

@@ -2,7 +2,10 @@
 report: loading, the memory-traffic floor, and the figures.
 
 One CSV row per (configuration, method) with the columns in ``COLUMNS``; times in
-milliseconds, ``peak_bytes`` the peak allocated device memory of the measured step.
+milliseconds, ``peak_bytes`` the device memory the step allocates beyond what was
+allocated before it (``benchmarks/bench_update.py``). An optional ``floor_ms`` column is
+the floor the benchmark computed from the bandwidth and matrix rate it measured in the
+same run; it is preferred to the datasheet floor here.
 """
 
 import csv
@@ -22,6 +25,9 @@ PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 #: AdamW state bytes per parameter by state format (two slots; q8: codes plus a block exponent)
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "q8": 2.0625}
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0}
+#: (weight, state) formats of the regime names ``benchmarks/bench_update.py`` records
+_BENCHMARK_REGIMES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "bf16-sr": ("bf16", "bf16"),
+                      "q8": ("bf16", "q8")}
 ACTIVATION_BYTES = 2.0  # bf16 activations, as the benchmarks use
 
 
@@ -38,6 +44,7 @@ def load_results(paths) -> list:
                 row = dict(record, source=str(path))
                 row.update({c: int(record[c]) for c in _INTEGER})
                 row.update({c: float(record[c]) for c in _REAL})
+                row["floor_ms"] = float(record["floor_ms"]) if record.get("floor_ms") else None
                 rows.append(row)
     return rows
 
@@ -50,13 +57,18 @@ def storage(regime: str):
     state = re.search(r"\b(fp32|bf16|q8) state", regime)
     if weight and state:
         return weight[1], state[1]
-    if regime.strip() in ("fp32", "bf16"):
-        return regime.strip(), regime.strip()
-    return None
+    return _BENCHMARK_REGIMES.get(regime.strip())
 
 
 def bandwidth(gpu: str):
     return next((value for name, value in PEAK_BANDWIDTH.items() if name in gpu), None)
+
+
+def row_floor_ms(row):
+    """The floor recorded with the row (measured ceilings), else the datasheet floor."""
+    if row.get("floor_ms") is not None:
+        return row["floor_ms"]
+    return floor_ms(row["gpu"], row["n"], row["k"], row["tokens"], row["regime"])
 
 
 def floor_ms(gpu: str, n: int, k: int, tokens: int, regime: str):
@@ -99,10 +111,11 @@ def time_figure(rows):
             median = [r["median_ms"] for r in points]
             spread = [[r["median_ms"] - r["min_ms"] for r in points], [r["max_ms"] - r["median_ms"] for r in points]]
             ax.errorbar(tokens, median, yerr=spread, marker="o", ms=4, capsize=3, label=method)
-        tokens = sorted({r["tokens"] for points in methods.values() for r in points})
-        floor = [floor_ms(gpu, n, k, t, regime) for t in tokens]
+        by_tokens = {r["tokens"]: row_floor_ms(r) for points in methods.values() for r in points}
+        tokens = sorted(by_tokens)
+        floor = [by_tokens[t] for t in tokens]
         if None not in floor:
-            ax.plot(tokens, floor, color="black", ls=":", label="memory-traffic floor")
+            ax.plot(tokens, floor, color="black", ls=":", label="floor")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens per step")
@@ -114,7 +127,7 @@ def time_figure(rows):
 
 
 def memory_figure(rows):
-    """Peak device memory against tokens, one panel per GPU, shape and regime."""
+    """Extra device memory of a step against tokens, one panel per GPU, shape and regime."""
     groups = _groups(rows)
     fig, axes = _grid(len(groups))
     for ax, ((gpu, n, k, regime), methods) in zip(axes, sorted(groups.items())):
@@ -124,7 +137,7 @@ def memory_figure(rows):
                     label=method)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per step")
-        ax.set_ylabel("peak device memory (MiB)")
+        ax.set_ylabel("extra device memory during the step (MiB)")
         ax.set_title(f"{gpu}: {n}×{k}, {regime}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
