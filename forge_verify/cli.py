@@ -14,6 +14,7 @@ from . import gate, report
 from .check import PROFILE_VARIABLE, run_check
 from .deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
 from .problems import Problem
+from .parallel_verdicts import record_parallel_verdicts
 from .sharding_report import sharding_report
 
 
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
                                                     "parallelism and accumulation against the true step, on N ranks")
     sharding.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     sharding.add_argument("--steps", type=int, default=3, help="steps per trajectory (default 3)")
+    sharding.add_argument("--record", metavar="CSV", default=None,
+                          help="instead, record the layer-level TP/SP verdicts per rule and regime to CSV "
+                               "(reports/data/parallelism.csv feeds the exactness summary report)")
     gate.add_parser(commands)
     report.add_parser(commands)
     args = parser.parse_args(argv)
@@ -68,6 +72,9 @@ def main(argv=None) -> int:
         print(demo.format_result(result))
         return 0 if result["fused_equals_oracle_bitwise"] else 1
     if args.command == "sharding":
+        if args.record:
+            print(record_parallel_verdicts(args.record, args.ranks))
+            return 0
         print(sharding_report(args.ranks, args.steps))
         return 0
     if args.command == "gate":
