@@ -26,7 +26,8 @@ from .deviation import REGIMES
 from .distributed import RankPool
 from .gate_cases import RULES
 from .problems import Problem, make_inputs
-from .sharding import LAYOUTS, SHARDINGS, LayerCase, _fused_layer, _linear, _sharded_layer, _snapshot, device
+from .sharding import (LAYOUTS, SHARDINGS, LayerCase, _fused_layer, _linear, _sharded_layer, _snapshot, device,
+                       expected_slices)
 
 STEPS = 2
 #: a problem every layout can shard on 2 ranks: q8 row shards need whole 32-column blocks
@@ -35,15 +36,13 @@ LAYOUT_NAMES = {"column": "TP column", "row": "TP row", "column_sp": "TP column 
 
 
 def _slice_equal(local: dict, whole: dict, rows, cols) -> bool:
-    columns = range(whole["weight"].shape[1])[cols]
-    blocks = slice(columns.start // fk.q8.BLOCK, -(-columns.stop // fk.q8.BLOCK))
-    for key in whole:
-        expected = whole[key][rows, blocks if key.endswith(fk.q8.EXPONENT_SUFFIX) else cols]
-        got = local.get(key)
-        if got is None or got.shape != expected.shape or not torch.equal(got.view(torch.uint8),
-                                                                         expected.contiguous().view(torch.uint8)):
+    if set(local) != set(whole):
+        return False
+    for key, expected in expected_slices(whole, rows, cols).items():
+        got = local[key]
+        if got.shape != expected.shape or not torch.equal(got.view(torch.uint8), expected.contiguous().view(torch.uint8)):
             return False
-    return set(local) == set(whole)
+    return True
 
 
 def verdicts_job(regime_names: list) -> dict:

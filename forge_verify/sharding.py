@@ -108,14 +108,20 @@ def _fused_layer(module) -> fk.ForgeLinear:
     return next(m for m in module.modules() if isinstance(m, fk.ForgeLinear))
 
 
-def _assert_slice_equal(local: dict, whole: dict, rows: slice, cols: slice, what: str):
-    if set(local) != set(whole):
-        raise AssertionError(f"{what}: state entries {sorted(local)} != {sorted(whole)}")
+def expected_slices(whole: dict, rows: slice, cols: slice) -> dict:
+    """The part of each of the whole layer's tensors (weight and state) a shard holding
+    weight[rows, cols] must equal."""
     columns = range(whole["weight"].shape[1])[cols]
     # q8 exponents: one per block of q8.BLOCK columns (shards hold whole blocks)
     blocks = slice(columns.start // fk.q8.BLOCK, -(-columns.stop // fk.q8.BLOCK))
-    for key in sorted(whole):
-        expected = whole[key][rows, blocks if key.endswith(fk.q8.EXPONENT_SUFFIX) else cols]
+    return {key: value[rows, blocks if key.endswith(fk.q8.EXPONENT_SUFFIX) else cols]
+            for key, value in whole.items()}
+
+
+def _assert_slice_equal(local: dict, whole: dict, rows: slice, cols: slice, what: str):
+    if set(local) != set(whole):
+        raise AssertionError(f"{what}: state entries {sorted(local)} != {sorted(whole)}")
+    for key, expected in sorted(expected_slices(whole, rows, cols).items()):
         assert_bitwise_equal(local[key], expected, f"{what}: {key}")
 
 
