@@ -39,8 +39,8 @@ def _slice_equal(local: dict, whole: dict, rows, cols) -> bool:
     if set(local) != set(whole):
         return False
     for key, expected in expected_slices(whole, rows, cols).items():
-        got = local[key]
-        if got.shape != expected.shape or not torch.equal(got.view(torch.uint8), expected.contiguous().view(torch.uint8)):
+        got, expected = local[key], expected.contiguous()
+        if got.shape != expected.shape or not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
             return False
     return True
 
