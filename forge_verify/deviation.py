@@ -34,7 +34,7 @@ from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
 from .problems import Problem, Regime, make_inputs
 from .reference import reference_step
 from .tables import render_table
-from .torch_optim import torch_optimizer
+from .torch_optim import has_counterpart, torch_optimizer
 
 #: ``forge-verify deviation --rule``: one representative configuration per rule family.
 RULES = {
@@ -99,7 +99,7 @@ def _torchao_adamw8bit():
 
 
 def _torch_optim_applies(regime: Regime, rule) -> bool:
-    if regime.state_format == "q8" or torch_optimizer(torch.nn.Parameter(torch.zeros(1)), rule) is None:
+    if regime.state_format == "q8" or not has_counterpart(rule):
         return False
     same_dtype = (regime.state_format == "bf16") == (regime.weight == torch.bfloat16)
     return same_dtype and (regime.weight == torch.float32 or regime.rounding == "nearest")

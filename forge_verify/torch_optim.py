@@ -24,6 +24,11 @@ _FACTORIES = {
                                                  eps=r.eps, foreach=False),
 }
 
+def has_counterpart(rule) -> bool:
+    """Whether torch.optim has this rule (Lion has none)."""
+    return type(rule) in _FACTORIES
+
+
 def torch_optimizer(param, rule):
     """The torch.optim optimizer over ``param`` with ``rule``'s hyperparameters (single-tensor
     path), or None for a rule torch.optim does not have (Lion)."""
