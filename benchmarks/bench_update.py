@@ -206,13 +206,13 @@ def check_fused_equals_oracle(n, k, t, regime, config):
     layer = Layer(n, k, t, regime, seed=1)
     r = rule()
     w_a, w_b = layer.w.clone(), layer.w.clone()
-    s_a, s_b = layer.fresh_state(r), None
+    s_a = layer.fresh_state(r)
     s_b = {name: v.clone() for name, v in s_a.items()}
     fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
     fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
-    same = torch.equal(w_a.view(torch.int16 if w_a.dtype == torch.bfloat16 else torch.int32),
-                       w_b.view(torch.int16 if w_b.dtype == torch.bfloat16 else torch.int32))
-    same = same and all(torch.equal(s_a[name], s_b[name]) for name in s_a)
+    # Bitwise, whatever the dtype (torch.equal alone would let -0.0 match 0.0).
+    pairs = [(w_a, w_b)] + [(s_a[name], s_b[name]) for name in s_a]
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
     if not same:
         raise AssertionError(f"fused != oracle for {regime} {n}x{k} T={t} {config}")
 
