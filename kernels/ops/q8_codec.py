@@ -33,8 +33,9 @@ def q8_decode(codes_ptr, exp_ptr, table_ptr, idx, eidx, mask, SIGNED: tl.constex
 
 @triton.jit
 def _estimated_code(u, SIGNED: tl.constexpr):
-    """Within one of the index of the last level <= u (forge_kernels.q8's maps), clamped
-    to [0, 255]; u lies in [-1, 1]."""
+    """Within one of the index of the last level <= u (forge_kernels.q8's maps); u lies in
+    [-1, 1]. The final clamp to [0, 255] also keeps the table reads in bounds for a NaN u,
+    whose tile the epilogue will not store but still encodes."""
     # t = PER_OCTAVE * -log2|u|, capped so that u = 0 (t = inf) stays finite.
     magnitude = tl.maximum(tl.abs(u), 1e-30)
     if SIGNED:
