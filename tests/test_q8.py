@@ -191,3 +191,14 @@ def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, roundin
     expected_codes, expected_exponents = q8.encode(values, signed=signed, random_words=words)
     assert_bitwise_equal(codes.cpu(), expected_codes, "codes")
     assert_bitwise_equal(exponents.cpu(), expected_exponents.reshape(-1), "exponents")
+
+
+@pytest.mark.parametrize("rule", [fk.AdamW(), fk.Adagrad(initial_accumulator_value=0.1)], ids=repr)
+def test_initial_state_is_the_host_encoding_of_the_initial_values(rule):
+    """init_state fills from one encoded block; it must equal encoding the whole (ragged) weight."""
+    shape = (3, 70)
+    state = rule.init_state(torch.zeros(shape), "q8")
+    for slot in rule.slots:
+        codes, exponents = q8.encode(torch.full(shape, rule.initial_value(slot)), signed=slot not in rule.nonnegative)
+        assert_bitwise_equal(state[slot], codes, f"{slot} codes")
+        assert_bitwise_equal(state[slot + q8.EXPONENT_SUFFIX], exponents, f"{slot} exponents")

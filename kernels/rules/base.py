@@ -133,10 +133,13 @@ class Rule:
             raise ValueError(f"q8 state is laid out for 2-D weights, got shape {tuple(weight.shape)}")
         state = {}
         for name in self.slots:
-            start = torch.full(weight.shape, self.initial_value(name), dtype=torch.float32)
-            codes, exponents = q8.encode(start, signed=name not in self.nonnegative)
-            state[name] = codes.to(weight.device)
-            state[name + q8.EXPONENT_SUFFIX] = exponents.to(weight.device)
+            # Every element starts at the same value, so every block encodes alike: encode one
+            # block on the host and fill (the whole weight through numpy took seconds per layer).
+            block = torch.full((1, q8.BLOCK), self.initial_value(name), dtype=torch.float32)
+            codes, exponents = q8.encode(block, signed=name not in self.nonnegative)
+            state[name] = torch.full(weight.shape, int(codes[0, 0]), dtype=torch.uint8, device=weight.device)
+            state[name + q8.EXPONENT_SUFFIX] = torch.full(q8.exponent_shape(weight.shape), int(exponents[0, 0]),
+                                                          dtype=torch.int8, device=weight.device)
         return state
 
     def state_format(self, state: dict) -> str:
