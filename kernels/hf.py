@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 
-def _is_conv1d(module) -> bool:
+def is_conv1d(module) -> bool:
+    """A transformers ``Conv1D`` (recognised by name: transformers need not be installed)."""
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
 
 
@@ -24,7 +25,7 @@ def conv1d_to_linear(model: nn.Module) -> nn.Module:
     """
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if not _is_conv1d(child):
+            if not is_conv1d(child):
                 continue
             weight = child.weight
             linear = nn.Linear(child.nx, child.nf, bias=True, device=weight.device, dtype=weight.dtype)

@@ -21,6 +21,7 @@ from torch import nn
 
 from .config import TileConfig
 from .errors import NonFiniteUpdateError
+from .hf import is_conv1d
 from .ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
 from .rules.base import Rule
@@ -271,7 +272,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
                 continue
             if isinstance(child, ForgeLinear):
                 raise ValueError(f"{qualified!r} is already fused")
-            if type(child).__name__ == "Conv1D" and type(child).__module__.startswith("transformers"):
+            if is_conv1d(child):
                 raise TypeError(f"{qualified!r} is a transformers Conv1D (a linear layer with a transposed weight) "
                                 "that fuse would otherwise leave silently unfused; convert the model with "
                                 "forge_kernels.hf.conv1d_to_linear(model) first")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .linear import ForgeLinear
-from .weight_slice import WeightSlice
+from .weight_slice import WeightSlice, chunk_bounds
 
 # torch 2.13 renamed these collectives (the old names warn); torch 2.11 has only the old.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -94,10 +94,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def _chunk(size, group):
     """This rank's [start, stop) of ``size`` split as torch.chunk splits it."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    step = -(-size // world)
-    start = min(rank * step, size)
-    return start, min(start + step, size)
+    return chunk_bounds(size, dist.get_world_size(group), dist.get_rank(group))
 
 
 def _local_linear(linear, rows, cols, bias):

@@ -14,7 +14,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .weight_slice import WeightSlice
+from .weight_slice import WeightSlice, chunk_bounds
 
 TOKEN_SPLIT_HELP = (
     "FORGE applies the optimizer rule to the gradient summed over every token of the step, inside one "
@@ -89,9 +89,8 @@ def weight_slice(weight: DTensor) -> WeightSlice:
     if dim is not None:
         size = weight.shape[dim]
         mesh = weight.device_mesh
-        chunk = -(-size // mesh.size())
-        start = min(mesh.get_local_rank() * chunk, size)
-        if local[dim] != min(chunk, size - start):
+        start, stop = chunk_bounds(size, mesh.size(), mesh.get_local_rank())
+        if local[dim] != stop - start:
             raise ValueError(f"the local shard {tuple(local)} of a {tuple(weight.shape)} weight is not torch.chunk's "
                              f"split over {mesh.size()} ranks; fused layers need DTensor's even (chunk) sharding")
     return WeightSlice(start if dim == 0 else 0, start if dim == 1 else 0, (int(rows), int(cols)))

@@ -8,9 +8,16 @@ weight, so the sharded update rounds exactly as the unsharded one would.
 from dataclasses import dataclass
 
 from . import q8
+from .ops.stochastic_round import MAX_COUNTER
 
-# Philox is called with one 32-bit counter word (kernels/ops/stochastic_round.py).
-_MAX_COUNTERS = 2**32
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple:
+    """[start, stop) of part ``index`` of ``size`` split into ``parts`` as torch.chunk
+    (and DTensor's Shard) splits it: the one place the fused layers take a shard's
+    offset from, so every engine keys its rounding streams alike."""
+    step = -(-size // parts)
+    start = min(index * step, size)
+    return start, min(start + step, size)
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class WeightSlice:
         if (not isinstance(shape, tuple) or len(shape) != 2
                 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape)):
             raise ValueError(f"WeightSlice.global_shape must be a pair of non-negative integers, got {shape!r}")
-        if shape[0] * shape[1] > _MAX_COUNTERS:
+        if shape[0] * shape[1] > MAX_COUNTER:
             raise ValueError(f"global weight {shape} has more elements than the 2**32 counters of one "
                              "stochastic-rounding stream")
 
