@@ -81,7 +81,10 @@ for name, regime in REGIMES.items():
 
 # %%
 COLORS = {"forge": "tab:blue", "standard": "tab:orange", "torch.optim": "tab:green", "torchao 8-bit": "tab:purple"}
-fig, axes = plt.subplots(3, 3, figsize=(13, 10), sharex=True)
+ROWS = -(-len(REGIMES) // 3)  # every regime gets a panel
+fig, axes = plt.subplots(ROWS, 3, figsize=(13, 3.4 * ROWS), sharex=True)
+for ax in axes.flat[len(REGIMES):]:
+    ax.set_visible(False)
 for ax, name in zip(axes.flat, REGIMES):
     for (regime, method), points in series.items():
         if regime == name:
@@ -92,7 +95,7 @@ for ax, name in zip(axes.flat, REGIMES):
     ax.set_title(name, fontsize=9)
     dtype = "bf16" if REGIMES[name].weight == torch.bfloat16 else "fp32"
     ax.set_ylabel(f"max |error| ({dtype} ulp)", fontsize=8)
-for ax in axes[-1]:
+for ax in axes.flat:
     ax.set_xlabel("step")
 legend = {}
 for ax in axes.flat:

@@ -73,3 +73,15 @@ def _run_parallelism_example(source):
 @pytest.mark.distributed
 def test_parallelism_example_runs(rank_pool):
     assert rank_pool(2).run(_run_parallelism_example, _python_block("Parallelism")) == [True, True]
+
+
+def test_readme_counts_match_the_code():
+    """The counts the README states follow the code they describe."""
+    from forge_verify.deviation import REGIMES
+    from forge_verify.gate_cases import RULES, canonical_cases
+
+    words = {10: "ten"}
+    text = README.read_text()
+    assert f"runs {len(canonical_cases())} canonical cases" in text
+    assert f"each of the {words[len(REGIMES)]} storage regimes" in text
+    assert f"{len(RULES) * len(REGIMES)} cells" in text
