@@ -8,9 +8,9 @@ group, with both engines (DTensor ``parallelize_module`` and Megatron-style laye
 
 A verdict is ``exact`` when every rank matched at every step with both engines,
 ``refused`` when the library refuses the layout for that regime (a q8 shard that would
-split a block), ``FAILED`` otherwise. Unlike ``sharding.layers_match_slice`` the job
-never raises on a mismatch: a rank that stopped early would leave its peers waiting in
-the next collective.
+split a block), ``FAILED`` otherwise. The steps are ``sharding.sharded_steps``, as in
+the property; unlike the property the job never raises on a mismatch, since a rank that
+stopped early would leave its peers waiting in the next collective.
 """
 
 import csv
@@ -20,14 +20,13 @@ import torch
 import torch.distributed as dist
 
 import forge_kernels as fk
-from forge_kernels.ops.stochastic_round import stream_seed
 
+from .bits import first_difference
 from .deviation import REGIMES
 from .distributed import RankPool
 from .gate_cases import RULES
-from .problems import Problem, make_inputs
-from .sharding import (LAYOUTS, SHARDINGS, LayerCase, _fused_layer, _linear, _sharded_layer, _snapshot, device,
-                       expected_slices)
+from .problems import Problem
+from .sharding import ENGINES, LAYOUTS, LayerCase, device, sharded_steps
 
 STEPS = 2
 #: a problem every layout can shard on 2 ranks: q8 row shards need whole 32-column blocks
@@ -35,51 +34,28 @@ PROBLEM = dict(tokens=24, out_features=40, in_features=128, dtype=torch.bfloat16
 LAYOUT_NAMES = {"column": "TP column", "row": "TP row", "column_sp": "TP column + SP", "row_sp": "TP row + SP"}
 
 
-def _slice_equal(local: dict, whole: dict, rows, cols) -> bool:
-    if set(local) != set(whole):
-        return False
-    for key, expected in expected_slices(whole, rows, cols).items():
-        got, expected = local[key], expected.contiguous()
-        if got.shape != expected.shape or not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
-            return False
-    return True
+def _equal(local: dict, expected: dict) -> bool:
+    return set(local) == set(expected) and all(first_difference(local[k], expected[k]) is None for k in expected)
 
 
 def verdicts_job(regime_names: list) -> dict:
     """Job (every rank): {(rule, regime, layout): verdict}, agreed across ranks."""
     out = {}
     for regime_name in regime_names:
-        regime = REGIMES[regime_name]
-        case = LayerCase(Problem(**PROBLEM), regime)
-        inputs = make_inputs(case.problem, device(), regime)
-        layer_seed = stream_seed(regime.seed, 1, 0)
+        case = LayerCase(Problem(**PROBLEM), REGIMES[regime_name])
         for rule_name, rule in RULES.items():
-            whole = fk.ForgeLinear.from_linear(_linear(inputs.weight), rule, config=None,
-                                               state_format=regime.state_format, rounding=regime.rounding,
-                                               seed=layer_seed)
-            layers = {}
-            for engine, layout in SHARDINGS:
-                try:
-                    layers[engine, layout] = _sharded_layer(case, engine, layout, rule, inputs.weight, layer_seed)
-                except ValueError:  # the library refuses this layout for this regime (the same on every rank)
-                    layers[engine, layout] = None
-            ok = {key: layer is not None for key, layer in layers.items()}
-            for x, dy in inputs.batches:
-                whole(x).backward(dy)
-                expected = _snapshot(whole)
-                for key, layer in layers.items():
-                    if layer is None:
-                        continue
-                    module, operands, rows, cols = layer
-                    x_local, dy_local = operands(x, dy)
-                    module(x_local).backward(dy_local)
-                    ok[key] = ok[key] and _slice_equal(_snapshot(_fused_layer(module)), expected, rows, cols)
-            for layout in LAYOUTS:
-                engines = [key for key in layers if key[1] == layout]
-                if all(layers[key] is None for key in engines):
-                    verdict = 2  # refused
+            ok, refused = {}, set()
+            for engine, layout, _, local, expected in sharded_steps(case, rule, allow_refusal=True):
+                if local is None:
+                    refused.add((engine, layout))
                 else:
-                    verdict = int(all(ok[key] for key in engines))
+                    ok[engine, layout] = ok.get((engine, layout), True) and _equal(local, expected)
+            for layout in LAYOUTS:
+                engines = [(engine, layout) for engine in ENGINES]
+                if all(key in refused for key in engines):
+                    verdict = 2
+                else:
+                    verdict = int(all(ok.get(key, False) for key in engines))
                 agreed = torch.tensor([verdict], device=device())
                 dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
                 out[rule_name, regime_name, layout] = {0: "FAILED", 1: "exact", 2: "refused"}[int(agreed)]

@@ -118,42 +118,55 @@ def expected_slices(whole: dict, rows: slice, cols: slice) -> dict:
             for key, value in whole.items()}
 
 
-def _assert_slice_equal(local: dict, whole: dict, rows: slice, cols: slice, what: str):
-    if set(local) != set(whole):
-        raise AssertionError(f"{what}: state entries {sorted(local)} != {sorted(whole)}")
-    for key, expected in sorted(expected_slices(whole, rows, cols).items()):
-        assert_bitwise_equal(local[key], expected, f"{what}: {key}")
-
-
 def _snapshot(layer: fk.ForgeLinear) -> dict:
     return {"weight": local_weight(layer.weight.detach()).cpu().clone(),
             **{k: v.cpu().clone() for k, v in layer.forge_state.items()}}
+
+
+def sharded_steps(case: LayerCase, rule, shardings=SHARDINGS, *, allow_refusal=False):
+    """Step the unsharded fused layer and each (engine, layout) sharded one on the same
+    (x, dy) per step; yields ``(engine, layout, step, local, expected)`` after every step,
+    ``local`` the shard's weight and state and ``expected`` the matching slices of the
+    unsharded layer's (``sharding.expected_slices``). With ``allow_refusal`` a layout the
+    library refuses for this regime (a ValueError at construction, alike on every rank)
+    yields once with ``local = expected = None`` instead of raising. Every rank runs every
+    step of every layout, so no rank leaves its peers waiting in a collective."""
+    world = dist.get_world_size()
+    if any(layout.endswith("_sp") for _, layout in shardings) and case.problem.tokens % world:
+        raise ValueError(f"sequence parallelism needs the {case.problem.tokens} tokens divisible by {world} ranks")
+    inputs = make_inputs(case.problem, device(), case.regime)
+    weight = inputs.weight
+    layer_seed = stream_seed(case.regime.seed, 1, 0)
+    whole = fk.ForgeLinear.from_linear(_linear(weight), rule, **_fuse_options(case.regime, case.config, layer_seed))
+    sharded = []
+    for engine, layout in shardings:
+        try:
+            sharded.append((engine, layout, *_sharded_layer(case, engine, layout, rule, weight, layer_seed)))
+        except ValueError:
+            if not allow_refusal:
+                raise
+            yield engine, layout, 0, None, None
+    for step, (x, dy) in enumerate(inputs.batches, start=1):
+        whole(x).backward(dy)
+        whole_now = _snapshot(whole)
+        for engine, layout, module, operands, rows, cols in sharded:
+            x_local, dy_local = operands(x, dy)
+            module(x_local).backward(dy_local)
+            yield engine, layout, step, _snapshot(_fused_layer(module)), expected_slices(whole_now, rows, cols)
 
 
 def layers_match_slice(case: LayerCase, rules: list, shardings=SHARDINGS) -> None:
     """Job: for each rule and each (engine, layout), the sharded layer's local weight and
     state after every step equal the matching slice of the unsharded fused layer's,
     bitwise. The layers all see the same (x, dy) per step."""
-    world = dist.get_world_size()
-    if any(layout.endswith("_sp") for _, layout in shardings) and case.problem.tokens % world:
-        raise ValueError(f"sequence parallelism needs the {case.problem.tokens} tokens divisible by {world} ranks")
-    inputs = make_inputs(case.problem, device(), case.regime)
-    weight, batches = inputs.weight, inputs.batches
-    layer_seed = stream_seed(case.regime.seed, 1, 0)
     for rule in rules:
-        whole = fk.ForgeLinear.from_linear(_linear(weight), rule,
-                                           **_fuse_options(case.regime, case.config, layer_seed))
-        sharded = [(engine, layout, *_sharded_layer(case, engine, layout, rule, weight, layer_seed))
-                   for engine, layout in shardings]
-        for step, (x, dy) in enumerate(batches, start=1):
-            whole(x).backward(dy)
-            expected = _snapshot(whole)
-            for engine, layout, module, operands, rows, cols in sharded:
-                x_local, dy_local = operands(x, dy)
-                module(x_local).backward(dy_local)
-                _assert_slice_equal(_snapshot(_fused_layer(module)), expected, rows, cols,
-                                    f"rank {dist.get_rank()} of {world}, {engine} {layout}, step {step}, {rule!r}, "
-                                    f"{case.describe()}")
+        for engine, layout, step, local, expected in sharded_steps(case, rule, shardings):
+            what = (f"rank {dist.get_rank()} of {dist.get_world_size()}, {engine} {layout}, step {step}, "
+                    f"{rule!r}, {case.describe()}")
+            if set(local) != set(expected):
+                raise AssertionError(f"{what}: state entries {sorted(local)} != {sorted(expected)}")
+            for key in sorted(expected):
+                assert_bitwise_equal(local[key], expected[key], f"{what}: {key}")
 
 
 def shape_keyed_config(rows: int, cols: int) -> fk.TileConfig:

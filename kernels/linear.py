@@ -81,8 +81,9 @@ class ForgeLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is updated by ``rule`` inside its backward.
 
     ``rule`` is shared by reference: ``rule.lr = 3e-4`` takes effect at the next
-    backward. The rule's state and the step count are buffers (``forge_state_<slot>``,
-    ``forge_step``) so they travel with ``state_dict()``.
+    backward. The rule's state, the step count and the rounding seed are buffers
+    (``forge_state_<slot>``, with ``forge_state_<slot>_exponent`` for q8 state;
+    ``forge_step``; ``forge_seed``) so they travel with ``state_dict()``.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,

@@ -8,8 +8,11 @@ skip parameters without a gradient, and fused weights never have one, so the gro
 never stepped by torch, but a torch LR scheduler moves its ``lr`` like any other and
 the trainer hands it to the rule before each step.
 
-Global-norm clipping (``max_norm``) and gradient accumulation (several micro-batch
-closures per ``step``) are exact; what each costs is in ``Trainer``'s docstring.
+Global-norm clipping (``max_norm``) is exact: bitwise ``clip_grad_norm_`` then the
+oracle step. Gradient accumulation (several micro-batch closures per ``step``) is
+bitwise the standard pipeline with ``gradients="materialized"``; on the fused path
+(SGD momentum adding into its buffer) it is exact in real arithmetic, its sums rounded
+in another order. What each costs is in ``Trainer``'s docstring.
 """
 
 import torch

@@ -17,7 +17,7 @@ from ..config import PINNED, TileConfig
 from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
 from .. import q8
-from .q8_codec import Q8_BLOCK, q8_decode, q8_encode
+from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .stochastic_round import check_seed, rn_bf16, sr_bf16, stream_seed
 from ..weight_slice import WeightSlice
 from .validation import (check_finite_inputs, check_grad_scale, check_gradient, check_update_inputs,
@@ -62,7 +62,7 @@ def _slot_is_storable(v, Q8: tl.constexpr):
     ok = _is_finite(v)
     if Q8:
         # The largest q8 block exponent is 126: a larger value would be clamped, not stored.
-        ok = ok & (tl.abs(v) < 8.507059173023462e37)
+        ok = ok & (tl.abs(v) < Q8_LARGEST_EXPONENT_VALUE)
     return ok
 
 
@@ -286,8 +286,9 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
-    is float32 or bfloat16 (no master copy); the state is float32 or bfloat16 as made
-    by ``rule.init_state(weight, state_format=...)`` (fp32, bf16 or q8). The rule always
+    is float32 or bfloat16 (no master copy); the state is as made by
+    ``rule.init_state(weight, state_format=...)``: fp32, bf16, or q8 (uint8 codes and
+    int8 block exponents). The rule always
     computes in fp32; bf16 stores and q8 codes round ``"stochastic"`` (the default) or
     ``"nearest"``; float32 stores are exact and ignore ``rounding``. Stochastic rounding
     draws from Philox streams keyed on (``seed``, ``step``, which output, element index in the weight), so the

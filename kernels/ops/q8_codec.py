@@ -11,6 +11,8 @@ from ..q8 import (BLOCK, MAX_EXPONENT, MIN_EXPONENT, RANDOM_BITS, SIGNED_LEVELS_
 Q8_BLOCK = tl.constexpr(BLOCK)
 Q8_MIN_EXPONENT = tl.constexpr(MIN_EXPONENT)
 Q8_MAX_EXPONENT = tl.constexpr(MAX_EXPONENT)
+#: 2**MAX_EXPONENT: a block whose largest magnitude reaches it would need a clamped exponent
+Q8_LARGEST_EXPONENT_VALUE = tl.constexpr(2.0**MAX_EXPONENT)
 Q8_RANDOM_BITS = tl.constexpr(RANDOM_BITS)
 Q8_SIGNED_PER_OCTAVE = tl.constexpr(float(SIGNED_LEVELS_PER_OCTAVE))
 Q8_UNSIGNED_PER_OCTAVE = tl.constexpr(float(UNSIGNED_LEVELS_PER_OCTAVE))
