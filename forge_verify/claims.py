@@ -1,6 +1,7 @@
 """The claims, as functions: each runs the kernels on one problem and raises
 AssertionError with a precise message when the claim fails. Properties draw the
-problems; ``forge-verify check`` and later the gate call the same functions."""
+problems (``forge-verify check`` runs those properties); the gate reuses
+``enclosure_trajectory`` and ``decoded_state``."""
 
 import mpmath
 import torch

@@ -1,6 +1,6 @@
 """How far each low-precision regime drifts from the exact trajectory.
 
-For a small seeded problem, three ways of taking the same steps are compared with the
+For a small seeded problem, up to four ways of taking the same steps are compared with the
 exact trajectory (exact gradients, the rule in mpmath at 113 bits, nothing rounded):
 
 * ``forge``: the fused kernel (the gradient never leaves fp32 registers);
@@ -22,6 +22,7 @@ lost to rounding) counts negative whichever way it moves; the spread is the stan
 deviation of the same quantity.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import mpmath
@@ -117,8 +118,7 @@ def deviation_table(rule, problem: Problem, checkpoints=(1, 10, 100), regimes=RE
     """Rows of :class:`Deviation` for every regime, method and checkpoint."""
     device = fk.kernel_device() if device is None else device
     steps = max(checkpoints)
-    problem = Problem(problem.tokens, problem.out_features, problem.in_features, problem.dtype, steps,
-                      problem.seed, problem.scale, problem.sparse)
+    problem = dataclasses.replace(problem, steps=steps)
     base = make_inputs(problem, device)
     rows = []
     exact_at = {}

@@ -7,8 +7,9 @@ several steps under tensor parallelism.
   reorders sums, with or without FORGE: ``forward_matches_plain_tp`` shows that the
   fused model's forward and input gradient are bitwise plain PyTorch TP's (FORGE
   changes neither, so the deviation they carry is TP's own), and
-  ``exact_data_matches_unsharded`` shows that with exactly representable data (every
-  sum exact in fp32, in any order) the TP model equals the unsharded one bitwise.
+  ``deviation_from_unsharded(..., integer=True)`` (the MLP) shows that with exactly
+  representable data (every sum exact in fp32, in any order) the TP model equals the
+  unsharded one bitwise.
 * ``deviation_from_unsharded`` measures the weights' distance (ulp) to the unsharded
   model after several steps, fused and plain (materialized gradient, same rule).
 """
@@ -194,7 +195,10 @@ def deviation_from_unsharded(kind, rule, steps=3, seed=0, integer=False):
     """Job: after each step, the largest ulp distance between this rank's weight shards
     and the matching slice of the unsharded model's, trained fused and trained plain
     (autograd's materialized gradient, then the same rule by ``fk.apply_rule``).
-    Returns {"fused": [max ulp per step], "plain": [...]}."""
+    Returns {"fused": [max ulp per step], "plain": [...]}. ``integer=True`` (MLP only)
+    draws exactly representable data."""
+    if integer and kind != "mlp":
+        raise ValueError("integer (exactly representable) data is drawn for the MLP only")
     make = (lambda: _mlp(seed=seed, integer=integer)) if kind == "mlp" else (lambda: _block(seed))
     runs = {}
     for path in ("fused", "plain"):

@@ -2,8 +2,10 @@
 
 Each job builds the same seeded problem on every rank, runs the sharded layer (PyTorch
 tensor parallelism on DTensors, or the Megatron-style explicit-collective layers) and
-the unsharded one, and raises AssertionError on a rank whose shard differs bitwise
-from the matching slice of the unsharded result.
+the unsharded one. ``layers_match_slice`` raises AssertionError on a rank whose shard
+differs bitwise from the matching slice of the unsharded result;
+``per_shard_config_changes_bits`` returns whether a config keyed on the shard's shape
+changed the shard's bits.
 """
 
 from dataclasses import dataclass

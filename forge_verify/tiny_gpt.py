@@ -22,7 +22,6 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 32
-    tie_head: bool = False
 
 
 class _Attention(nn.Module):
@@ -68,8 +67,6 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_head:
-            self.head.weight = self.tok.weight
         self.apply(self._init)
 
     @staticmethod
