@@ -14,7 +14,7 @@ import torch
 
 from forge_kernels import q8
 
-from .tolerances import BF16_SUBNORMAL_SPACING, FP32_UNDERFLOW, UNIT_ROUNDOFF
+from .tolerances import BF16_SUBNORMAL_SPACING, FP32_SUBNORMAL_SPACING, FP32_UNDERFLOW, UNIT_ROUNDOFF
 
 _F64 = torch.float64
 # fp32 rounding, plus slack for an implementation that evaluates in float64 and rounds
@@ -160,7 +160,7 @@ class Interval:
         blocks = torch.nn.functional.pad(magnitude, (0, pad)).reshape(rows, -1, q8.BLOCK).amax(dim=2)
         # + 2^-149: a block below 2^-126 has its exponent clamped, and decoding rounds again
         # into the fp32 subnormals.
-        floor = (2 * smallest * blocks + 2.0**-149).repeat_interleave(q8.BLOCK, dim=1)[:, :cols]
+        floor = (2 * smallest * blocks + FP32_SUBNORMAL_SPACING).repeat_interleave(q8.BLOCK, dim=1)[:, :cols]
         wide_lo = _down(self.lo - (relative * self.lo.abs() + floor))
         wide_hi = _up(self.hi + (relative * self.hi.abs() + floor))
         return Interval(torch.where(self.lo >= 0, wide_lo.clamp_min(0), wide_lo),

@@ -19,6 +19,10 @@ FP32_UNDERFLOW = 2.0**-126
 #: spacing of bf16 subnormals: the largest absolute error of a bf16 store near zero
 BF16_SUBNORMAL_SPACING = 2.0**-133
 
+#: spacing of fp32 subnormals: the largest error of rounding a value into them once more
+#: (a decoded q8 value in a block below 2^-126, whose exponent is clamped)
+FP32_SUBNORMAL_SPACING = 2.0**-149
+
 #: relative error per addition when fp32 tiles are accumulated, by (backend, operand dtype).
 #: Round-to-nearest fp32 (FMA or separate multiply-add) everywhere except the GPU's bf16
 #: tensor cores, whose accumulation aligns and truncates: one ulp, 2^-23, per addition

@@ -18,6 +18,7 @@ from forge_kernels.ops.stochastic_round import stream_seed
 from forge_verify import assert_bitwise_equal
 from forge_verify.claims import decoded_state
 from forge_verify.philox import philox_randint
+from forge_verify.tolerances import UNIT_ROUNDOFF, gamma
 
 
 def _problem(device, n=24, k=70, t=40, seed=0):
@@ -64,10 +65,13 @@ def test_adamw_state_takes_at_most_2_1_bytes_per_parameter():
 
 def _relative_store_error(rounding, per_octave=q8.UNSIGNED_LEVELS_PER_OCTAVE):
     """Largest relative error of a q8 store between adjacent levels a < b = a * 2**(1/per_octave):
-    (b - a)/(b + a) to nearest, (b - a)/a stochastically (proofs/reference_enclosure.md), plus
-    1e-6 for the fp32 arithmetic of the rule, which the float64 expectation leaves out."""
+    (b - a)/(b + a) to nearest, (b - a)/a stochastically (proofs/reference_enclosure.md),
+    compounded with gamma_4 for what the float64 expectation leaves out: the rule's fp32
+    arithmetic on the second moment (g * g, two products with fp32 scalars, one sum; the
+    gradient itself is exact here) and the fp32 rounding of 1 - beta2."""
     ratio = 2.0 ** (1 / per_octave)
-    return (ratio - 1) / (ratio + 1 if rounding == "nearest" else 1) + 1e-6
+    store = (ratio - 1) / (ratio + 1 if rounding == "nearest" else 1)
+    return store + gamma(4, UNIT_ROUNDOFF[torch.float32]) * (1 + store)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -87,8 +91,8 @@ def test_small_second_moments_stay_nonzero(rounding, device):
     exact = (1 - 0.999) * g.double().square()
     assert torch.all(state["exp_avg_sq"] > 0)
     assert torch.all((v - exact).abs() <= _relative_store_error(rounding) * exact)
-    linear = torch.round(exact / exact.amax(dim=1, keepdim=True) * 127)
-    assert int((linear == 0).sum()) >= 8 * 20
+    # For contrast (no kernel involved): a linear absmax int8 code, round(exact / rowmax * 127),
+    # is 0 for 24 of each row's 32 second moments here.
 
 
 def test_q8_needs_whole_blocks_per_tile(device):
