@@ -4,6 +4,7 @@ Exact means bitwise: two tensors are equal when their integer views are equal,
 so +0 and -0 differ and NaNs compare by payload.
 """
 
+import numpy as np
 import torch
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
@@ -18,7 +19,10 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    """Map floats to int64 so that adjacent floats differ by 1 and +0, -0 both map to 0."""
+    """Map floats to int64 so that adjacent floats differ by 1 and +0, -0 both map to 0;
+    integer tensors (quantized codes) map to themselves, so codes one apart differ by 1."""
+    if not t.is_floating_point():
+        return t.to(torch.int64)
     bits = int_view(t).to(torch.int64)
     sign_bit = 1 << (torch.finfo(t.dtype).bits - 1)
     return torch.where(bits < 0, -(bits & (sign_bit - 1)), bits)
@@ -32,10 +36,18 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dtype != b.dtype:
         raise TypeError(f"ulp_distance needs one dtype, got {a.dtype} and {b.dtype}")
-    if not a.is_floating_point():
-        return (a.to(torch.int64) - b.to(torch.int64)).abs()
     dist = (ordered_bits(a) - ordered_bits(b)).abs()
     return torch.where(torch.isnan(a) | torch.isnan(b), torch.iinfo(torch.int64).max, dist)
+
+
+def fp32_from_bits(bits) -> torch.Tensor:
+    """fp32 tensor with the given uint32 bit patterns."""
+    return torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's 16-bit patterns, as uint32 (room to compare with fp32 patterns)."""
+    return t.cpu().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
 
 
 def first_difference(actual: torch.Tensor, expected: torch.Tensor):

@@ -40,7 +40,7 @@ def fingerprint(t: torch.Tensor) -> dict:
     values differ by 1; integer codes: the codes): the difference of two sums is the net
     shift in ulps (or codes), which says how far a changed tensor moved."""
     t = t.detach().cpu().contiguous()
-    ordered = ordered_bits(t) if t.is_floating_point() else t.to(torch.int64)
+    ordered = ordered_bits(t)
     return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
             "sha256": hashlib.sha256(int_view(t).numpy().tobytes()).hexdigest(),
             "ulp_sum": int(ordered.sum())}

@@ -18,24 +18,16 @@ from hypothesis import strategies as st
 
 import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import rn_bf16
-from forge_verify.bits import assert_bitwise_equal
+from forge_verify.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
 from forge_verify.philox import stochastic_round_reference
 from forge_verify.stats import azuma_radius, hoeffding_radius
-
-
-def _fp32_from_bits(bits) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
-
-
-def _bf16_bits(t: torch.Tensor) -> np.ndarray:
-    return t.cpu().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
 
 
 @pytest.mark.exactness
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300),
        seed=st.integers(0, 2**63 - 1), offset=st.integers(0, 2**31))
 def test_matches_philox_reference_bit_for_bit(bits, seed, offset, device):
-    x = _fp32_from_bits(bits)
+    x = fp32_from_bits(bits)
     assert_bitwise_equal(fk.stochastic_round(x.to(device), seed, offset).cpu(),
                          stochastic_round_reference(x, seed, offset), "stochastic_round")
 
@@ -46,15 +38,15 @@ def test_every_bf16_value_is_kept_and_every_midpoint_goes_to_a_neighbour(device)
     unchanged (NaNs as the quiet NaN of the same sign); a value half-way to the next
     pattern comes back as one of its two neighbours."""
     patterns = np.arange(2**16, dtype=np.uint32)
-    exact = _fp32_from_bits(patterns << 16)
-    out = _bf16_bits(fk.stochastic_round(exact.to(device), seed=3))
+    exact = fp32_from_bits(patterns << 16)
+    out = bf16_bits(fk.stochastic_round(exact.to(device), seed=3))
     is_nan = torch.isnan(exact).numpy()
     expected = np.where(is_nan, (patterns & 0x8000) | 0x7FC0, patterns)
     assert np.array_equal(out, expected)
 
     finite = ~is_nan & (((patterns >> 7) & 0xFF) != 0xFF)
-    halfway = _fp32_from_bits((patterns << 16) | 0x8000)
-    out = _bf16_bits(fk.stochastic_round(halfway.to(device), seed=4))
+    halfway = fp32_from_bits((patterns << 16) | 0x8000)
+    out = bf16_bits(fk.stochastic_round(halfway.to(device), seed=4))
     assert np.all(((out == patterns) | (out == patterns + 1))[finite])
     # Both neighbours occur: each is taken with probability exactly 1/2.
     up = np.mean((out == patterns + 1)[finite])
@@ -71,8 +63,8 @@ def test_round_up_frequency_matches_exact_probability(device):
     heads = rng.integers(0, 2**16, 4 * fractions.size).astype(np.uint32)
     heads = heads[((heads & 0x7F80) != 0x7F80) & ((heads & 0x7FFF) != 0x7F7F)][:fractions.size]
     samples = 2**16
-    values = _fp32_from_bits(np.repeat((heads << 16) | fractions, samples))
-    out = _bf16_bits(fk.stochastic_round(values.to(device), seed=11)).reshape(fractions.size, samples)
+    values = fp32_from_bits(np.repeat((heads << 16) | fractions, samples))
+    out = bf16_bits(fk.stochastic_round(values.to(device), seed=11)).reshape(fractions.size, samples)
     up = (out == (heads + 1)[:, None]).mean(axis=1)
     stay = (out == heads[:, None]).mean(axis=1)
     assert np.all(up + stay == 1.0)
@@ -107,9 +99,9 @@ def test_neighbours_and_successive_streams_are_uncorrelated(device):
     share of pairs rounded up together is 1/4 within a Hoeffding radius, for adjacent
     elements and for the same element under successive seeds (as successive steps use)."""
     n = 2**16
-    half = _fp32_from_bits(np.full(n, (0x3F80 << 16) | 0x8000, dtype=np.uint32)).to(device)
-    first = _bf16_bits(fk.stochastic_round(half, seed=99)) == 0x3F81
-    second = _bf16_bits(fk.stochastic_round(half, seed=100)) == 0x3F81
+    half = fp32_from_bits(np.full(n, (0x3F80 << 16) | 0x8000, dtype=np.uint32)).to(device)
+    first = bf16_bits(fk.stochastic_round(half, seed=99)) == 0x3F81
+    second = bf16_bits(fk.stochastic_round(half, seed=100)) == 0x3F81
     radius = hoeffding_radius(n // 2, 1e-9)
     together_adjacent = np.mean(first[0::2] & first[1::2])
     together_successive = np.mean(first[0::2] & second[0::2])
@@ -150,7 +142,7 @@ def _round_nearest_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def test_nearest_rounding_matches_torch(bits, device):
     """The bf16 round-to-nearest-even used for "nearest" stores equals torch's cast, bit
     for bit (NaNs: a quiet NaN of the same sign)."""
-    x = _fp32_from_bits(bits)
+    x = fp32_from_bits(bits)
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     _round_nearest_kernel[(triton.cdiv(x.numel(), 256),)](x.to(device), out, x.numel(), BLOCK=256)
     expected = x.bfloat16()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import forge_kernels as fk
+from forge_verify.bits import bf16_bits, fp32_from_bits
 from forge_verify.notebook import say, show, show_table
 from forge_verify.stats import azuma_radius, hoeffding_radius
 
@@ -42,14 +43,6 @@ DEVICE = fk.kernel_device()
 FALSE_ALARM = 1e-9
 say(f"Mode **{MODE}**: {SETTINGS}; kernels "
     f"{'on the Triton CPU interpreter' if fk.interpreting() else 'compiled on ' + torch.cuda.get_device_name()}.")
-
-
-def fp32_from_bits(bits):
-    return torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
-
-
-def bf16_bits(t):
-    return t.cpu().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
 
 
 # %% [markdown]
