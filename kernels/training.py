@@ -72,6 +72,14 @@ def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def _layer_gradient(layer, x2d, dy2d):
+    """The layer's fp32 weight gradient through the fused kernel's own tile loop (so it is
+    the gradient the fused step would use); non-finite operands are refused first, before
+    anything has stepped."""
+    check_finite_inputs(x2d, dy2d)
+    return weight_gradient(x2d, dy2d, config=layer.config)
+
+
 class Trainer:
     """One training step for a fused model and the torch optimizer of its other parameters.
 
@@ -255,10 +263,7 @@ class Trainer:
         norms = {}
 
         def measure(layer, x2d, dy2d):
-            check_finite_inputs(x2d, dy2d)  # nothing has stepped yet: refuse before the norm is NaN
-            # The same tile loop as the fused kernel, so this is the gradient the step uses.
-            grad = weight_gradient(x2d, dy2d, config=layer.config)
-            norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
+            norms[id(layer.weight)] = torch.linalg.vector_norm(_layer_gradient(layer, x2d, dy2d), 2.0)
 
         self._run(closures, lambda index: measure)
         scale = self._clip_scale(norms)
@@ -293,17 +298,19 @@ class Trainer:
         norms = {}
 
         def measure_and_step(layer, x2d, dy2d):
-            check_finite_inputs(x2d, dy2d)
-            grad = weight_gradient(x2d, dy2d, config=layer.config)
+            grad = _layer_gradient(layer, x2d, dy2d)
             norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
             layer._apply_step(None, None, grad=grad, grad_scale=float(scale))
 
         losses = self._run(closures, lambda index: measure_and_step)
         self._clip_scale(norms)  # this step's norm, for the next step (refuses a non-finite one)
+        self._scale_unfused_gradients(scale)
+        return losses
+
+    def _scale_unfused_gradients(self, factor):
         for p in unfused_parameters(self.model):
             if p.grad is not None:
-                p.grad.mul_(scale)
-        return losses
+                p.grad.mul_(factor)  # the multiply clip_grad_norm_ does
 
     def _clip_scale(self, fused_norms):
         norm = total_norm(self.model.parameters(), fused_norms)
@@ -316,8 +323,7 @@ class Trainer:
         buffers = {}
 
         def accumulate(layer, x2d, dy2d):
-            check_finite_inputs(x2d, dy2d)
-            grad = weight_gradient(x2d, dy2d, config=layer.config)
+            grad = _layer_gradient(layer, x2d, dy2d)
             if layer in buffers:
                 buffers[layer].add_(grad)  # what autograd does to an existing .grad
             else:
@@ -328,9 +334,7 @@ class Trainer:
         if self.max_norm is not None:
             coefficient = self._clip_scale({id(layer.weight): torch.linalg.vector_norm(grad, 2.0)
                                             for layer, grad in buffers.items()})
-            for p in unfused_parameters(self.model):
-                if p.grad is not None:
-                    p.grad.mul_(coefficient)
+            self._scale_unfused_gradients(coefficient)
             scale = float(coefficient)
         for layer, grad in buffers.items():
             layer._apply_step(None, None, grad=grad, grad_scale=scale)
