@@ -61,9 +61,10 @@ REGIMES = {  # name: (weight dtype, state format)
     "q8": (torch.bfloat16, "q8"),
 }
 CONFIGS_FILE = HERE / "tuned_configs.json"
-# Tile configs the sweep tries: (block_n, block_k, block_t, num_warps, num_stages).
-CANDIDATES = [(64, 64, 32, 4, 2), (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
-              (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 2)]
+# Tile configs the sweep tries: (block_n, block_k, block_t, num_warps, num_stages[, maxnreg]).
+CANDIDATES = [(64, 64, 32, 4, 2), (64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 64, 64, 8, 3, 128),
+              (64, 64, 128, 8, 3), (64, 64, 32, 8, 4, 128), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
+              (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 8, 3, 128)]
 
 
 def rule():
@@ -232,11 +233,11 @@ def tuned_config(configs, regime, t):
     return fk.TileConfig(*entries[str(chosen)])
 
 
-def tune(shape, tokens, bandwidth, matrix_rate, writer, meta):
+def tune(shape, tokens, regimes, bandwidth, matrix_rate, writer, meta):
     """Sweep CANDIDATES per regime and token count on one shape; returns the best of each."""
     n, k = shape
     best = {}
-    for regime in REGIMES:
+    for regime in regimes:
         best[regime] = {}
         for t in tokens:
             layer = Layer(n, k, t, regime)
@@ -247,18 +248,23 @@ def tune(shape, tokens, bandwidth, matrix_rate, writer, meta):
                 if REGIMES[regime][1] == "q8" and config.block_k < fk.q8.BLOCK:
                     continue
                 try:
-                    median, low, high = timed(kernel_step(layer, config))
+                    step = kernel_step(layer, config)
+                    compiled = step()
+                    median, low, high = timed(step)
                 except Exception as error:  # e.g. out of shared memory: that config is not a candidate here
                     print(f"  {regime} T={t} {candidate}: {type(error).__name__}", file=sys.stderr)
                     continue
-                results.append((median, candidate))
+                registers = f"{getattr(compiled, 'n_regs', '?')} regs, {getattr(compiled, 'n_spills', '?')} spills"
+                results.append((median, candidate, registers))
                 writer.writerow({**meta, "n": n, "k": k, "tokens": t, "regime": regime,
                                  "method": f"forge kernel {candidate}", "median_ms": f"{median:.5f}",
                                  "min_ms": f"{low:.5f}", "max_ms": f"{high:.5f}", "peak_bytes": "",
                                  "floor_ms": f"{floor:.5f}"})
             results.sort()
             best[regime][str(t)] = list(results[0][1])
-            print(f"tune {regime:8s} T={t:6d}: " + ", ".join(f"{c}={m:.4f}" for m, c in results[:3]), flush=True)
+            for m, c, registers in results:
+                print(f"tune {regime:8s} T={t:6d} {str(c):28s} {m:.4f} ms  {m / floor:5.2f}x floor  {registers}",
+                      flush=True)
             del layer
     return best
 
@@ -297,7 +303,7 @@ def main(argv=None):
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         if args.tune:
-            best = tune(shapes[0], tokens, bandwidth, matrix_rate, writer, meta)
+            best = tune(shapes[0], tokens, regimes, bandwidth, matrix_rate, writer, meta)
             target = Path(args.out).with_name(CONFIGS_FILE.name)
             target.write_text(json.dumps({"gpu": meta["gpu"], "triton": meta["triton"], "shape": list(shapes[0]),
                                           **best}, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""A numpy reference of Philox4x32-10 as Triton's ``tl.randint(seed, counter)`` computes
+"""A numpy reference of Philox4x32-10 as Triton's ``tl.randint4x(seed, counter)`` computes
 it, and of stochastic rounding fp32 -> bf16 on top of it, for bit-exact checks."""
 
 import numpy as np
@@ -9,8 +9,9 @@ _ROUND_A, _ROUND_B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _MASK32 = np.uint64(0xFFFFFFFF)
 
 
-def philox_randint(seed: int, counter: np.ndarray, rounds: int = 10) -> np.ndarray:
-    """First output word of Philox4x32 with key (seed lo, seed hi) and counter (c, 0, 0, 0)."""
+def philox_words(seed: int, counter: np.ndarray, rounds: int = 10) -> tuple:
+    """The four output words of Philox4x32 with key (seed lo, seed hi) and counter
+    (c, 0, 0, 0): ``tl.randint4x(seed, counter)``."""
     c0 = np.asarray(counter, dtype=np.uint32).copy()
     c1 = np.zeros_like(c0)
     c2 = np.zeros_like(c0)
@@ -25,14 +26,21 @@ def philox_randint(seed: int, counter: np.ndarray, rounds: int = 10) -> np.ndarr
                               (prod_a >> np.uint64(32)).astype(np.uint32) ^ c3 ^ k1,
                               (prod_a & _MASK32).astype(np.uint32))
             k0, k1 = k0 + _KEY_A, k1 + _KEY_B
-    return c0
+    return c0, c1, c2, c3
 
 
-def stochastic_round_reference(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
-    """What ``forge_kernels.stochastic_round`` must return, bit for bit."""
+def philox_randint(seed: int, counter: np.ndarray, rounds: int = 10) -> np.ndarray:
+    """First output word of Philox4x32: ``tl.randint(seed, counter)``."""
+    return philox_words(seed, counter, rounds)[0]
+
+
+def stochastic_round_reference(x: torch.Tensor, seed: int, offset: int = 0, word: int = 0) -> torch.Tensor:
+    """What ``forge_kernels.stochastic_round`` must return, bit for bit; with ``word=j``,
+    the rounding that draws Philox output word j instead of word 0 (the fused update
+    rounds its weight with word 0 and state slot i with word 1 + i)."""
     bits = x.detach().cpu().contiguous().numpy().view(np.uint32).ravel().astype(np.uint64)
     counter = (np.arange(bits.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32)
-    noise = (philox_randint(seed, counter) & np.uint32(0xFFFF)).astype(np.uint64)
+    noise = (philox_words(seed, counter)[word] & np.uint32(0xFFFF)).astype(np.uint64)
     rounded = ((bits + noise) & np.uint64(0xFFFF0000)).astype(np.uint32)
     is_nan = np.isnan(x.detach().cpu().contiguous().numpy().ravel())
     quiet_nan = (bits.astype(np.uint32) & np.uint32(0x80000000)) | np.uint32(0x7FC00000)

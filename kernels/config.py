@@ -7,6 +7,7 @@ the problem's shape: callers pass one explicitly or get ``PINNED``.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 _TILE_SIZES = (16, 32, 64, 128, 256)
 
@@ -20,6 +21,7 @@ class TileConfig:
     block_t: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: Optional[int] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t"):
@@ -31,6 +33,9 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_warps={self.num_warps!r}: must be 1, 2, 4, 8 or 16")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"TileConfig.num_stages={self.num_stages!r}: must be in 1..8")
+        if self.maxnreg is not None and (type(self.maxnreg) is not int or self.maxnreg not in range(32, 256, 8)):
+            raise ValueError(f"TileConfig.maxnreg={self.maxnreg!r}: must be None (the compiler's choice) or a "
+                             "multiple of 8 in 32..248 (registers per thread, ptxas -maxrregcount)")
 
     def launch_options(self) -> dict:
         """Keyword options for launching a kernel with this config.
@@ -40,8 +45,15 @@ class TileConfig:
         H200: the same rule code contracted differently in the fused and the oracle
         kernel, and for different BLOCK_K), which moves bits between paths that must
         agree. With it off every operation rounds once, as written, on every backend.
+
+        ``maxnreg`` caps the registers per thread (more resident programs per SM, at the
+        risk of spills); it changes scheduling, never the arithmetic. The interpreter
+        ignores it.
         """
-        return dict(num_warps=self.num_warps, num_stages=self.num_stages, enable_fp_fusion=False)
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages, enable_fp_fusion=False)
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 PINNED = TileConfig()

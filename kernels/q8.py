@@ -106,7 +106,7 @@ def encode(values: torch.Tensor, signed: bool, random_words=None):
 
     Nearest-level codes when ``random_words`` is None; otherwise stochastic codes, element
     ``i`` (row-major) deciding with the 32-bit word ``random_words[i]`` (the kernel uses
-    Philox at the element's index in the slot's stream)."""
+    the slot's word of the Philox call at the element's index: word 1 + slot position)."""
     v = values.detach().cpu().float().numpy()
     exponent = block_exponents(v)
     scale = np.repeat(np.ldexp(np.float32(1), -exponent.astype(np.int32)), BLOCK, axis=1)[:, :v.shape[1]]

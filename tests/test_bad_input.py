@@ -144,6 +144,15 @@ def test_bad_config_and_rule_are_refused(good):
         _call(x, dy, w, state, torch.optim.AdamW)
     with pytest.raises(ValueError, match="block_t=24"):
         fk.TileConfig(block_t=24)
+    for maxnreg in (100, 16, 256, True, 128.0):
+        with pytest.raises(ValueError, match="maxnreg"):
+            fk.TileConfig(maxnreg=maxnreg)
+
+
+def test_maxnreg_reaches_the_launch_and_nothing_else():
+    """A register cap is a launch option only: the interpreter drops it, the compiler gets it."""
+    assert "maxnreg" not in fk.PINNED.launch_options()
+    assert fk.TileConfig(num_warps=8, maxnreg=128).launch_options()["maxnreg"] == 128
 
 
 def test_hyperparameter_changed_to_invalid_value_is_refused_at_launch(good):

@@ -24,8 +24,9 @@ def _problem(device, n=20, k=36, t=24, seed=0):
 @pytest.mark.parametrize("step", [1, 2, 7])
 def test_fused_bf16_stores_are_the_philox_rounding_of_the_fp32_step(step, device):
     """A bf16-weight, bf16-state AdamW step stores, bit for bit, stochastic_round of the fp32
-    step taken from the same values, with the stream of (seed, step, output) and the
-    element's index as counter: weight = output 0, state slot at position p = output 1 + p."""
+    step taken from the same values: one Philox call per element, keyed on the step's
+    stream seed with the element's index as counter; its word 0 rounds the weight, word
+    1 + p the state slot at position p."""
     x, dy, w = _problem(device)
     rule, seed = fk.AdamW(lr=1e-2), 1234
     w16 = w.bfloat16().to(device)
@@ -34,10 +35,10 @@ def test_fused_bf16_stores_are_the_philox_rounding_of_the_fp32_step(step, device
     w32, state32 = w16.float(), {k: v.float() for k, v in state16.items()}
     fk.fused_weight_update(x, dy, w16, state16, rule, step, seed=seed)
     fk.fused_weight_update(x, dy, w32, state32, rule, step)
-    assert_bitwise_equal(w16.cpu(), stochastic_round_reference(w32.cpu(), stream_seed(seed, step, 0)), "weight")
+    assert_bitwise_equal(w16.cpu(), stochastic_round_reference(w32.cpu(), stream_seed(seed, step), word=0), "weight")
     for position, slot in enumerate(rule.slot_layout):
         if slot is not None:
-            expected = stochastic_round_reference(state32[slot].cpu(), stream_seed(seed, step, 1 + position))
+            expected = stochastic_round_reference(state32[slot].cpu(), stream_seed(seed, step), word=1 + position)
             assert_bitwise_equal(state16[slot].cpu(), expected, slot)
 
 

@@ -55,10 +55,11 @@ def _estimated_code(u, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def q8_encode(v, table_ptr, seed, counter, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def q8_encode(v, table_ptr, word, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
     """(codes uint8 (BLOCK_N, BLOCK_K), exponents int8 (BLOCK_N, BLOCK_K // 32)) of an fp32 tile
-    whose lanes outside the matrix hold 0; stochastic codes draw Philox bits at ``counter``."""
+    whose lanes outside the matrix hold 0; stochastic codes decide with the top bits of
+    each element's random uint32 ``word``."""
     blocks = tl.reshape(tl.abs(v), (BLOCK_N, BLOCK_K // Q8_BLOCK, Q8_BLOCK))
     bits = tl.max(blocks, axis=2).to(tl.uint32, bitcast=True)
     e = ((bits >> 23) & 0xFF).to(tl.int32) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
@@ -79,7 +80,7 @@ def q8_encode(v, table_ptr, seed, counter, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     above = u - lower      # exact, and so is gap - above = upper - u (q8.py)
     gap = upper - lower
     if STOCHASTIC:
-        r = (tl.randint(seed, counter) >> (32 - Q8_RANDOM_BITS)).to(tl.float64)
+        r = (word >> (32 - Q8_RANDOM_BITS)).to(tl.float64)
         up = r * gap.to(tl.float64) < above.to(tl.float64) * Q8_RANDOM_SCALE
     else:
         up = above > gap - above

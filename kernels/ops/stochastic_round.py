@@ -29,7 +29,14 @@ MAX_COUNTER = 2**32
 @triton.jit
 def sr_bf16(x, seed, counter):
     """fp32 tile -> bf16 tile, rounded stochastically with Philox bits at ``counter`` (uint32)."""
-    noise = tl.randint(seed, counter) & 0xFFFF
+    return sr_bf16_with(x, tl.randint(seed, counter))
+
+
+@triton.jit
+def sr_bf16_with(x, word):
+    """fp32 tile -> bf16 tile, rounded stochastically with the low 16 bits of the random
+    uint32 ``word`` drawn for each element."""
+    noise = word & 0xFFFF
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + noise) & 0xFFFF0000
     quiet_nan = (bits & 0x80000000) | 0x7FC00000
@@ -70,9 +77,11 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def stream_seed(seed: int, step: int, output: int) -> int:
-    """The Philox key for one output (0: weight, 1-3: state slots) of one step: the
-    user's seed, the step and the output mixed by SplitMix64, kept below 2**63."""
+def stream_seed(seed: int, step: int, output: int = 0) -> int:
+    """A Philox key: the user's seed, the step and ``output`` mixed by SplitMix64, kept
+    below 2**63. The fused update keys each step with ``output=0`` and takes the four
+    words of one Philox call per element, word 0 for the weight and word 1 + i for
+    state slot i (``_rule_epilogue``); ``fuse`` derives its layers' seeds with it too."""
     return _splitmix64(_splitmix64(seed) ^ (step * 4 + output)) >> 1
 
 
