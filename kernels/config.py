@@ -14,7 +14,9 @@ _TILE_SIZES = (16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One (BLOCK_N x BLOCK_K) tile of dW per program, tokens consumed BLOCK_T at a time."""
+    """One (BLOCK_N x BLOCK_K) tile of dW per program, tokens consumed BLOCK_T at a time;
+    the rule's epilogue runs on ``epilogue_split`` column slices of the tile in turn (the
+    unit in which a non-finite result is skipped and reported)."""
 
     block_n: int = 64
     block_k: int = 64
@@ -22,6 +24,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: Optional[int] = None
+    epilogue_split: int = 1
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t"):
@@ -36,6 +39,10 @@ class TileConfig:
         if self.maxnreg is not None and (type(self.maxnreg) is not int or self.maxnreg not in range(32, 256, 8)):
             raise ValueError(f"TileConfig.maxnreg={self.maxnreg!r}: must be None (the compiler's choice) or a "
                              "multiple of 8 in 32..248 (registers per thread, ptxas -maxrregcount)")
+        if type(self.epilogue_split) is not int or self.epilogue_split not in (1, 2, 4) or \
+                self.block_k // self.epilogue_split < _TILE_SIZES[0]:
+            raise ValueError(f"TileConfig.epilogue_split={self.epilogue_split!r}: must be 1, 2 or 4, leaving "
+                             f"column slices of at least {_TILE_SIZES[0]} (block_k={self.block_k})")
 
     def launch_options(self) -> dict:
         """Keyword options for launching a kernel with this config.

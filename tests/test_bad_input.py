@@ -147,6 +147,11 @@ def test_bad_config_and_rule_are_refused(good):
     for maxnreg in (100, 16, 256, True, 128.0):
         with pytest.raises(ValueError, match="maxnreg"):
             fk.TileConfig(maxnreg=maxnreg)
+    for split, block_k in ((3, 64), (8, 128), (4, 32), (2.0, 64)):
+        with pytest.raises(ValueError, match="epilogue_split"):
+            fk.TileConfig(block_k=block_k, epilogue_split=split)
+    with pytest.raises(ValueError, match="block_k / epilogue_split >= 32"):
+        _call(x, dy, w, rule.init_state(w, "q8"), rule, config=fk.TileConfig(block_k=64, epilogue_split=4))
 
 
 def test_maxnreg_reaches_the_launch_and_nothing_else():
@@ -180,10 +185,13 @@ def test_non_finite_inputs_write_nothing(good, where, value):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("oracle", [False, True])
-def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle):
+@pytest.mark.parametrize("config, tiles, columns", [
+    (fk.TileConfig(block_n=16, block_k=16, block_t=16), 9, (16, 32)),
+    # 64-column tiles whose epilogue runs on 16-column slices: the slice is what is skipped.
+    (fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4), 12, (16, 32))], ids=["whole", "split"])
+def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle, config, tiles, columns):
     """A finite x and dy whose product overflows fp32 in one tile: that tile keeps its
     old weight and state, the others step, and the call says which tile it was."""
-    config = fk.TileConfig(block_n=16, block_k=16, block_t=16)
     x = torch.ones(4, 40, device=device)
     dy = torch.ones(4, 40, device=device)
     x[:, 20] = 1e20
@@ -191,12 +199,14 @@ def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle):
     w = torch.ones(40, 40, device=device)
     rule = fk.SGD(lr=1e-2, momentum=0.9)
     state = rule.init_state(w)
-    with pytest.raises(fk.NonFiniteUpdateError, match=r"1 of 9 weight tiles .* rows 0:16, columns 16:32") as info:
+    c0, c1 = columns
+    with pytest.raises(fk.NonFiniteUpdateError,
+                       match=rf"1 of {tiles} weight tiles .* rows 0:16, columns {c0}:{c1}") as info:
         _call(x, dy, w, state, rule, config=config, oracle=oracle)
-    assert info.value.tiles == [(0, 16, 16, 32)]
-    assert torch.all(w[0:16, 16:32] == 1) and torch.all(state["momentum_buffer"][0:16, 16:32] == 0)
+    assert info.value.tiles == [(0, 16, c0, c1)]
+    assert torch.all(w[0:16, c0:c1] == 1) and torch.all(state["momentum_buffer"][0:16, c0:c1] == 0)
     outside = torch.ones_like(w, dtype=torch.bool)
-    outside[0:16, 16:32] = False
+    outside[0:16, c0:c1] = False
     assert torch.all(w[outside] != 1)
     assert torch.isfinite(w).all() and all(torch.isfinite(s).all() for s in state.values())
 

@@ -68,7 +68,7 @@ def _slot_is_storable(v, Q8: tl.constexpr):
 
 
 @triton.jit
-def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask, tile_ok, word,
+def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, word,
                 HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store a slot already in its storage dtype (fp32 or bf16), or q8-encode and store it."""
@@ -77,7 +77,7 @@ def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask,
             codes, exponents = q8_encode(tl.where(mask, v, 0.0), table_ptr, word, BLOCK_N, BLOCK_K,
                                          SIGNED, STOCHASTIC)
             tl.store(s_ptr + idx, codes, mask=keep)
-            offs_kb = tl.program_id(1) * (BLOCK_K // Q8_BLOCK) + tl.arange(0, BLOCK_K // Q8_BLOCK)
+            offs_kb = k0 // Q8_BLOCK + tl.arange(0, BLOCK_K // Q8_BLOCK)
             eidx = offs_n[:, None] * KB + offs_kb[None, :]
             tl.store(e_ptr + eidx, exponents, mask=mask_n[:, None] & (offs_kb[None, :] < KB) & ((eidx * 0 + tile_ok) != 0))
         else:
@@ -86,7 +86,7 @@ def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, KB, keep, mask,
 
 @triton.jit
 def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB, row0, col0, global_k, grad_scale,
+                   offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
@@ -113,7 +113,8 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     changes no bit, so unclipped steps are unaffected.
     """
     g = g * grad_scale
-    mask = mask_n[:, None] & mask_k[None, :]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
     idx = offs_n[:, None] * K + offs_k[None, :]
     eidx = offs_n[:, None] * KB + offs_k[None, :] // Q8_BLOCK
     # int64: a global weight may hold up to 2**32 elements (all the counters of a stream).
@@ -144,13 +145,56 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     keep = mask & ((idx * 0 + num_bad) == 0)
     tl.store(w_ptr + idx, w, mask=keep)
     tile_ok = (num_bad == 0).to(tl.int32)
-    _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, KB, keep, mask, tile_ok, r1,
+    _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r1,
                 HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, KB, keep, mask, tile_ok, r2,
+    _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r2,
                 HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, KB, keep, mask, tile_ok, r3,
+    _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r3,
                 HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
     tl.store(flag_ptr + tile_id, num_bad)
+
+
+@triton.jit
+def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                   offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale,
+                   h0, h1, h2, h3, h4, h5, h6, h7, seed,
+                   RULE: tl.constexpr, VARIANT: tl.constexpr,
+                   HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+                   W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   NONNEGATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The rule epilogue of one (BLOCK_N, BLOCK_K) gradient tile, run on SPLIT column
+    slices of it in turn (1, 2 or 4; sub-tile j is flagged as tile ``tile_id * SPLIT + j``).
+
+    The epilogue is element-wise, so slicing changes no bit; it bounds what is live at
+    once. A 128x128 tile, which halves the GEMM's operand traffic against 64x128, needs
+    more registers than a thread has when its weight, state and their addresses are all
+    loaded together (ptxas: 255 registers and kilobytes of spills); a quarter at a time
+    fits (204, none)."""
+    if SPLIT == 1:
+        _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                       offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
+                       seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
+                       BLOCK_N, BLOCK_K)
+    else:
+        HALF: tl.constexpr = BLOCK_K // 2
+        # (n, s, c) of the reshape is column s * HALF + c: split gives the left and right halves.
+        left, right = tl.split(tl.permute(tl.reshape(g, (BLOCK_N, 2, HALF)), (0, 2, 1)))
+        for half in tl.static_range(2):
+            g_half = left if half == 0 else right
+            if SPLIT == 2:
+                _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr,
+                               tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0, col0, global_k,
+                               grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1,
+                               HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, HALF)
+            else:
+                QUARTER: tl.constexpr = BLOCK_K // 4
+                first, second = tl.split(tl.permute(tl.reshape(g_half, (BLOCK_N, 2, QUARTER)), (0, 2, 1)))
+                for part in tl.static_range(2):
+                    _rule_epilogue(first if part == 0 else second, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr,
+                                   e2_ptr, table_ptr, flag_ptr, tile_id * 4 + half * 2 + part, offs_n, mask_n,
+                                   k0 + half * HALF + part * QUARTER, K, KB, row0, col0, global_k, grad_scale,
+                                   h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2,
+                                   W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, QUARTER)
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
@@ -163,7 +207,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                                UPCAST_OPERANDS: tl.constexpr):
+                                SPLIT: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,11 +217,11 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
-    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB, row0, col0, global_k, grad_scale,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                   offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   BLOCK_N, BLOCK_K)
+                   BLOCK_N, BLOCK_K, SPLIT)
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
@@ -188,7 +232,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
                        NONNEGATIVE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -198,25 +242,28 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     mask_k = offs_k < K
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
-    _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
-                   offs_n, offs_k, mask_n, mask_k, K, KB, row0, col0, global_k, grad_scale,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+                   offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   BLOCK_N, BLOCK_K)
+                   BLOCK_N, BLOCK_K, SPLIT)
 
 
 def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: int):
     bad = torch.nonzero(flags).flatten().tolist()
     if not bad:
         return
+    split = config.epilogue_split
+    width = config.block_k // split
     tiles = []
     for tile_id in bad:
-        pid_n, pid_k = divmod(tile_id, grid[1])
-        tiles.append((pid_n * config.block_n, min(N, (pid_n + 1) * config.block_n),
-                      pid_k * config.block_k, min(K, (pid_k + 1) * config.block_k)))
+        program, part = divmod(tile_id, split)
+        pid_n, pid_k = divmod(program, grid[1])
+        c0 = pid_k * config.block_k + part * width
+        tiles.append((pid_n * config.block_n, min(N, (pid_n + 1) * config.block_n), c0, min(K, c0 + width)))
     r0, r1, c0, c1 = tiles[0]
     raise NonFiniteUpdateError(
-        f"{len(tiles)} of {grid[0] * grid[1]} weight tiles had a non-finite gradient, weight or state "
+        f"{len(tiles)} of {grid[0] * grid[1] * split} weight tiles had a non-finite gradient, weight or state "
         f"after the rule (first: rows {r0}:{r1}, columns {c0}:{c1}). Those tiles were left unchanged; "
         "the other tiles took the step.", tiles)
 
@@ -246,9 +293,10 @@ class _Epilogue:
             raise TypeError(f"weight_slice must be a forge_kernels.WeightSlice, got {type(weight_slice).__name__}")
         weight_slice.check_fits(weight.shape, q8_state)
         self.place = (weight_slice.row_start, weight_slice.col_start, weight_slice.global_shape[1])
-        if q8_state and self.config.block_k < q8.BLOCK:
-            raise ValueError(f"q8 state needs block_k >= {q8.BLOCK} (a tile must hold whole q8 blocks); "
-                             f"config has block_k={self.config.block_k}")
+        if q8_state and self.config.block_k // self.config.epilogue_split < q8.BLOCK:
+            raise ValueError(f"q8 state needs block_k / epilogue_split >= {q8.BLOCK} (a tile must hold whole q8 "
+                             f"blocks); config has block_k={self.config.block_k}, "
+                             f"epilogue_split={self.config.epilogue_split}")
         # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
         self.slot_tensors = [state[name] if name is not None else weight for name in layout]
         self.exponent_tensors = [state[name + q8.EXPONENT_SUFFIX] if q8_state and name is not None else weight
@@ -265,7 +313,8 @@ class _Epilogue:
         N, K = weight.shape
         self.blocks_per_row = triton.cdiv(K, q8.BLOCK)
         self.grid = (triton.cdiv(N, self.config.block_n), triton.cdiv(K, self.config.block_k))
-        self.flags = torch.empty(self.grid[0] * self.grid[1], dtype=torch.int32, device=weight.device)
+        self.flags = torch.empty(self.grid[0] * self.grid[1] * self.config.epilogue_split, dtype=torch.int32,
+                                 device=weight.device)
 
     def apply(self, grad, weight):
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
@@ -274,7 +323,7 @@ class _Epilogue:
                                       self.flags, N, K, self.blocks_per_row, *self.place, self.grad_scale,
                                       *self.scalars, self.seed,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
-                                      **self.config.launch_options())
+                                      SPLIT=self.config.epilogue_split, **self.config.launch_options())
 
     def fused(self, x, dy, weight):
         """Launch the fused kernel; returns Triton's handle of the compiled kernel (its
@@ -287,6 +336,7 @@ class _Epilogue:
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             self.grad_scale, *self.scalars, self.seed,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
+            SPLIT=config.epilogue_split,
             UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
 
     def raise_if_flagged(self, weight):
