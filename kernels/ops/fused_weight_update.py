@@ -177,6 +177,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                        BLOCK_N, BLOCK_K)
     else:
         HALF: tl.constexpr = BLOCK_K // 2
+        QUARTER: tl.constexpr = BLOCK_K // 4
         # (n, s, c) of the reshape is column s * HALF + c: split gives the left and right halves.
         left, right = tl.split(tl.permute(tl.reshape(g, (BLOCK_N, 2, HALF)), (0, 2, 1)))
         for half in tl.static_range(2):
@@ -187,7 +188,6 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                                grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1,
                                HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, HALF)
             else:
-                QUARTER: tl.constexpr = BLOCK_K // 4
                 first, second = tl.split(tl.permute(tl.reshape(g_half, (BLOCK_N, 2, QUARTER)), (0, 2, 1)))
                 for part in tl.static_range(2):
                     _rule_epilogue(first if part == 0 else second, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr,
