@@ -9,7 +9,6 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from .._backend import interpreting, kernel_device
-from ..errors import NonFiniteInputError
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 STORAGE_DTYPES = (torch.float32, torch.bfloat16)
@@ -122,21 +121,6 @@ def check_gradient(grad, weight):
     _check_device("grad", grad)
     if grad.device != weight.device:
         raise ValueError(f"grad is on {grad.device} but weight on {weight.device}")
-
-
-def check_finite_inputs(*tensors):
-    """Refuse non-finite inputs (activations, output gradients, a given gradient) before
-    anything is written."""
-    # Every tensor's extremes: amin and amax propagate NaN and show an infinity, so finite
-    # extremes mean a finite tensor. Reductions allocate no temporaries the size of the
-    # inputs (isfinite would: a full boolean copy), and one device-to-host
-    # synchronization covers them all: this runs on every step.
-    extremes = [extreme.float() for t in tensors if t.numel() for extreme in torch.aminmax(t)]
-    if not extremes or bool(torch.isfinite(torch.stack(extremes)).all()):
-        return
-    counts = ", ".join(str(int((~torch.isfinite(t)).sum())) for t in tensors)
-    raise NonFiniteInputError(f"non-finite inputs: {counts} element(s) of the {len(tensors)} input tensor(s) "
-                              "are NaN or infinite; nothing was updated")
 
 
 def check_grad_scale(grad_scale) -> float:
