@@ -8,6 +8,10 @@ skip parameters without a gradient, and fused weights never have one, so the gro
 never stepped by torch, but a torch LR scheduler moves its ``lr`` like any other and
 the trainer hands it to the rule before each step.
 
+Fused steps are taken with ``report="defer"``: no layer waits for the GPU in the
+backward; ``step()`` checks every layer's step once at its end (``check_updates``),
+before the torch optimizer steps, as torch's GradScaler reads its inf check once.
+
 Global-norm clipping (``max_norm``) is exact: bitwise ``clip_grad_norm_`` then the
 oracle step. Gradient accumulation (several micro-batch closures per ``step``) is
 bitwise the standard pipeline with ``gradients="materialized"``; on the fused path
@@ -149,6 +153,15 @@ class Trainer:
     together, bitwise the standard pipeline (``.grad`` accumulation, ``clip_grad_norm_``,
     then the rule); it costs 4 bytes per fused parameter for the buffers, the memory the
     fused path saves.
+
+    Non-finite values: the fused steps are deferred (``report="defer"``), so a layer whose
+    inputs or tiles are non-finite does not stop the backward; it writes nothing (or
+    leaves its bad tiles), the other layers step, and ``step()`` raises at its end, before
+    the torch optimizer steps. The passes that materialize gradients (exact clipping's
+    norm pass, ``"materialized"``) count non-finite operands on the device and raise
+    before any fused layer steps. With several micro-batches on the fused path, a layer
+    checks its previous micro-batch's step before taking the next (a wait for that
+    step's event, not for the whole queue), so a failure stops it as without a trainer.
     """
 
     def __init__(self, model, optimizer=None, *, scheduler=None, max_norm=None, clipping="exact", gradients="fused"):
