@@ -399,8 +399,8 @@ def check_updates(model: nn.Module) -> None:
     """Check every fused layer's deferred step (``report="defer"``), in
     ``named_modules()`` order, and raise the first error found, after every layer has
     been checked (so each failed layer is stopped, and each clean one counts its
-    step); the others are named in the error's notes. Costs one wait for the GPU to
-    finish the steps, and nothing when there are none."""
+    step); the others are named in the error's notes (Python 3.11 and later). Costs
+    one wait for the GPU to finish the steps, and nothing when there are none."""
     errors = []
     for module in model.modules():
         if isinstance(module, ForgeLinear):
@@ -411,6 +411,7 @@ def check_updates(model: nn.Module) -> None:
     if not errors:
         return
     first = errors[0][1]
-    for name, error in errors[1:]:
-        first.add_note(f"fused layer {name!r} failed too: {error}")
+    if hasattr(first, "add_note"):  # Python >= 3.11
+        for name, error in errors[1:]:
+            first.add_note(f"fused layer {name!r} failed too: {error}")
     raise first

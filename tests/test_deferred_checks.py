@@ -5,6 +5,8 @@ step. Each deferred path must keep the eager path's guarantees: a non-finite inp
 writes nothing, an overflowing tile is left unchanged and named, a clean step gives
 the eager step's bits."""
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -261,7 +263,8 @@ def test_check_updates_checks_every_layer_and_names_the_others(device):
     _backward(model, x, target)
     with pytest.raises(fk.NonFiniteInputError) as info:
         fk.check_updates(model)
-    assert any("fused layer '2' failed too" in note for note in info.value.__notes__)
+    if sys.version_info >= (3, 11):  # exception notes
+        assert any("fused layer '2' failed too" in note for note in info.value.__notes__)
     assert all(layer._unchecked is None for layer in fk.fused_layers(model))
     fk.check_updates(model)  # nothing left to check
 
