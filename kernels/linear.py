@@ -211,6 +211,11 @@ class ForgeLinear(nn.Linear):
         self.forge_check()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
+    def __getstate__(self):
+        # A deep copy holds checked steps only (and no CUDA event).
+        self.forge_check()
+        return super().__getstate__()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prefix + "forge_step" in state_dict:

@@ -5,6 +5,7 @@ step. Each deferred path must keep the eager path's guarantees: a non-finite inp
 writes nothing, an overflowing tile is left unchanged and named, a clean step gives
 the eager step's bits."""
 
+import copy
 import sys
 
 import pytest
@@ -204,6 +205,13 @@ def test_a_checkpoint_holds_checked_steps_only(device):
     assert int(model[0].forge_step) == 0  # taken, not yet checked
     assert model.state_dict()["0.forge_step"] == 1  # state_dict checked it first
     assert int(model[0].forge_step) == 1 and model[0]._unchecked is None
+
+
+def test_a_copied_layer_holds_checked_steps_only(device):
+    model = _mlp(device, report="defer")
+    _backward(model, *_batch(device, 0))
+    twin = copy.deepcopy(model)
+    assert int(twin[0].forge_step) == int(model[0].forge_step) == 1 and twin[0]._unchecked is None
 
 
 def test_deferred_non_finite_input_surfaces_at_check_updates_and_counts_no_step(device):
