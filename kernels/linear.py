@@ -12,7 +12,7 @@ non-finite checks run on the device. With ``report="raise"`` (default) the backw
 then reads the step's outcome once and raises as ``fused_weight_update`` does; with
 ``report="defer"`` it does not wait at all, and the outcome is checked at the layer's
 next step, at ``layer.forge_check()`` / ``fk.check_updates(model)``, or when the
-layer's ``state_dict()`` is taken.
+layer's ``state_dict()`` is taken or the layer is deep-copied.
 
 Tensor parallelism: a layer whose weight is a DTensor (``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel``, applied *before* ``fuse``) runs its forward
