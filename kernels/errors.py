@@ -1,8 +1,12 @@
-"""Errors raised by the kernels' launchers."""
+"""Errors raised by the kernels' launchers: by the call itself (``report="raise"``), or
+later by ``UpdateReport.check()``, ``ForgeLinear.forge_check()`` or
+``fk.check_updates(model)`` (``report="defer"``). The kernels decide what is written
+either way; only when the host is told differs."""
 
 
 class NonFiniteInputError(FloatingPointError):
-    """x or dY holds a NaN or an infinity; nothing was written."""
+    """x or dY (or ``apply_rule``'s gradient) holds a NaN or an infinity; nothing was
+    written (the update kernel read the device-side input check and stored nothing)."""
 
 
 class NonFiniteUpdateError(FloatingPointError):

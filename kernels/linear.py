@@ -6,6 +6,14 @@ layer's ``forge_step`` buffer. No weight gradient is returned (``weight.grad`` s
 None), so an ordinary optimizer over ``model.parameters()`` skips fused weights;
 biases get ordinary gradients and are left to that optimizer.
 
+A backward makes no device-to-host synchronization to launch its step: the step
+number and rounding seed come from host-side copies of the buffers, and the
+non-finite checks run on the device. With ``report="raise"`` (default) the backward
+then reads the step's outcome once and raises as ``fused_weight_update`` does; with
+``report="defer"`` it does not wait at all, and the outcome is checked at the layer's
+next step, at ``layer.forge_check()`` / ``fk.check_updates(model)``, or when the
+layer's ``state_dict()`` is taken or the layer is deep-copied.
+
 Tensor parallelism: a layer whose weight is a DTensor (``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel``, applied *before* ``fuse``) runs its forward
 and dX on DTensors as plain PyTorch TP does, and steps its local shard with local
@@ -22,7 +30,7 @@ from torch import nn
 from .config import TileConfig
 from .errors import NonFiniteUpdateError
 from .hf import is_conv1d
-from .ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
+from .ops.fused_weight_update import ROUNDINGS, apply_rule, check_report, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
 from .rules.base import Rule
 from .tensor_parallel import check_input_layout, is_dtensor, local_operands, local_weight
@@ -84,16 +92,32 @@ class ForgeLinear(nn.Linear):
     backward. The rule's state, the step count and the rounding seed are buffers
     (``forge_state_<slot>``, with ``forge_state_<slot>_exponent`` for q8 state;
     ``forge_step``; ``forge_seed``) so they travel with ``state_dict()``.
+
+    ``forge_step`` and ``forge_seed`` are written by the layer; a step launches from
+    host-side copies of them (reading a GPU buffer would synchronize), which are read
+    back from the buffers only when a buffer has been replaced (``.to()``,
+    ``load_state_dict(assign=True)``) or written in place (``load_state_dict``,
+    ``fill_``), as the buffer's autograd version counter shows. A write the counter
+    does not see (through ``.data``, or into the storage) is not picked up.
+
+    ``report``: ``"raise"`` (default) checks each step at the end of its backward, one
+    device-to-host synchronization, and raises there; ``"defer"`` takes the step with
+    no synchronization and checks it later (``forge_check``). A deferred step counts in
+    ``forge_step`` once it is checked and found clean; one whose inputs were
+    non-finite wrote nothing and does not count; one with non-finite tiles stops the
+    layer as in ``"raise"`` mode (``forge_accept_partial_step``).
     """
 
     def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,
-                 state_format="fp32", rounding=None, seed=0, weight_slice=None, device=None, dtype=None):
+                 state_format="fp32", rounding=None, seed=0, weight_slice=None, report="raise", device=None,
+                 dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_forge(rule, oracle, config, state_format, rounding, seed, weight_slice=weight_slice)
+        self._init_forge(rule, oracle, config, state_format, rounding, seed, weight_slice=weight_slice,
+                         report=report)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, state_format="fp32",
-                    rounding=None, seed=0, name=None, weight_slice=None):
+                    rounding=None, seed=0, name=None, weight_slice=None, report="raise"):
         """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy) and
         its module hooks (e.g. the input/output layout hooks of ``parallelize_module``)."""
         layer = cls.__new__(cls)
@@ -103,10 +127,11 @@ class ForgeLinear(nn.Linear):
         layer.bias = linear.bias
         for attr in _MODULE_HOOK_REGISTRIES:
             setattr(layer, attr, getattr(linear, attr))
-        layer._init_forge(rule, oracle, config, state_format, rounding, seed, name, weight_slice)
+        layer._init_forge(rule, oracle, config, state_format, rounding, seed, name, weight_slice, report)
         return layer
 
-    def _init_forge(self, rule, oracle, config, state_format, rounding, seed, name=None, weight_slice=None):
+    def _init_forge(self, rule, oracle, config, state_format, rounding, seed, name=None, weight_slice=None,
+                    report="raise"):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if config is not None and not isinstance(config, TileConfig):
@@ -120,11 +145,14 @@ class ForgeLinear(nn.Linear):
         if weight_slice is not None and is_dtensor(self.weight):
             raise ValueError("a DTensor weight knows its place in the global weight; pass no weight_slice")
         self.rule, self.oracle, self.config, self.rounding = rule, bool(oracle), config, rounding
+        self.report = check_report(report)
         self.weight_slice = weight_slice if weight_slice is not None else (
             weight_slice_of(self.weight) if is_dtensor(self.weight) else None)
         self.forge_name = name or "ForgeLinear"
         self._pending = weakref.WeakSet()
         self._failed_step = None
+        # The unchecked step of report="defer": (UpdateReport, step, advance), or None.
+        self._unchecked = None
         # A training driver (forge_kernels.training) may take over what the backward does
         # with (x, dY): ``forge_backward(layer, x2d, dy2d)`` replaces the plain step.
         self.forge_backward = None
@@ -143,6 +171,58 @@ class ForgeLinear(nn.Linear):
         # The stochastic-rounding stream is part of the training state: a resumed run
         # must draw the same bits.
         self.register_buffer("forge_seed", torch.tensor(check_seed(seed), dtype=torch.int64, device=weight.device))
+        self._counters_read = (self._counter_sources(), 0, check_seed(seed))
+
+    def _counter_sources(self) -> tuple:
+        return self.forge_step, self.forge_step._version, self.forge_seed, self.forge_seed._version
+
+    def _counters_current(self) -> bool:
+        """True when the buffers are those last read (or written) and unwritten since."""
+        known = self._counters_read
+        if known is None:
+            return False
+        sources = self._counter_sources()
+        return known[0][0] is sources[0] and known[0][2] is sources[2] and known[0][1::2] == sources[1::2]
+
+    def _counters(self) -> tuple:
+        """(forge_step, forge_seed) as Python ints, without reading the buffers (a
+        synchronization on a GPU) unless they were replaced or written in place since
+        they were last read."""
+        if not self._counters_current():
+            self._counters_read = (self._counter_sources(), int(self.forge_step), int(self.forge_seed))
+        return self._counters_read[1], self._counters_read[2]
+
+    def _set_step(self, step: int):
+        seed = self._counters()[1]
+        self.forge_step.fill_(step)  # asynchronous on a GPU
+        self._counters_read = (self._counter_sources(), step, seed)
+
+    def _apply(self, fn, *args, **kwargs):
+        current = self._counters_current()
+        module = super()._apply(fn, *args, **kwargs)
+        if current:
+            # .to(), .cuda(), .half() and the like move or convert tensors; integer buffers
+            # keep their values, so the host copies stay right for the new buffers.
+            self._counters_read = (self._counter_sources(), *self._counters_read[1:])
+        return module
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A checkpoint holds checked steps only: an unchecked one would be counted wrong.
+        self.forge_check()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def __getstate__(self):
+        # A deep copy holds checked steps only (and no CUDA event).
+        self.forge_check()
+        return super().__getstate__()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "forge_step" in state_dict:
+            # The loaded state replaces whatever an unchecked or failed step left behind.
+            self._unchecked = None
+            self._failed_step = None
+        self._counters_read = None
 
     @property
     def forge_state(self) -> dict:
@@ -177,11 +257,13 @@ class ForgeLinear(nn.Linear):
                            "outside the layer; a fused weight takes exactly one gradient per step, through "
                            "its own backward")
 
-    def _apply_step(self, x2d, dy2d, *, grad=None, rule=None, grad_scale=1.0, advance=True):
+    def _apply_step(self, x2d, dy2d, *, grad=None, rule=None, grad_scale=1.0, advance=True, report=None):
         """One step of ``rule`` (default: the layer's) with dW = dy2dᵀ x2d, or with a
         materialized fp32 ``grad`` (of the local shard) when given; the gradient is
         multiplied by ``grad_scale`` before the rule. ``advance=False`` leaves
-        ``forge_step`` where it is (a micro-batch of an accumulated step)."""
+        ``forge_step`` where it is (a micro-batch of an accumulated step). ``report``
+        (default: the layer's) is ``"raise"`` or ``"defer"``, as in the constructor."""
+        report = self.report if report is None else check_report(report)
         # First, on every rank alike: bringing the operands to their layouts may take
         # collectives, which a rank raising below must not leave its peers waiting in.
         if is_dtensor(self.weight):
@@ -189,39 +271,58 @@ class ForgeLinear(nn.Linear):
                 raise NotImplementedError(f"fused layer {self.forge_name!r} is tensor-parallel: a materialized "
                                           "gradient for it is not supported")
             x2d, dy2d = local_operands(self.weight, x2d, dy2d)
+        # The previous deferred step first: it may have failed, and its step count is
+        # this step's base. Its event is long passed by now, so this waits for nothing.
+        self.forge_check()
         if self._failed_step is not None:
             raise RuntimeError(
                 f"fused layer {self.forge_name!r} stopped at step {self._failed_step}: some of its tiles were "
                 "left unstepped after a non-finite update, so its weight and state are at mixed steps. Restore "
                 "a checkpoint, or call forge_accept_partial_step() to go on from here")
-        step = int(self.forge_step) + 1
-        options = dict(config=self.config, rounding=self.rounding, seed=int(self.forge_seed), grad_scale=grad_scale,
-                       weight_slice=self.weight_slice)
-        try:
-            with torch.no_grad():
-                weight = local_weight(self.weight.data)
-                if grad is None:
-                    fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
-                                        oracle=self.oracle, **options)
-                else:
-                    apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
-        except NonFiniteUpdateError:
-            self._failed_step = step
-            raise
-        if advance:
-            self.forge_step.fill_(step)
+        step, seed = self._counters()
+        step += 1
+        options = dict(config=self.config, rounding=self.rounding, seed=seed, grad_scale=grad_scale,
+                       weight_slice=self.weight_slice, report="defer")
+        with torch.no_grad():
+            weight = local_weight(self.weight.data)
+            if grad is None:
+                outcome = fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
+                                              oracle=self.oracle, **options)
+            else:
+                outcome = apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
         # The kernel writes the weight's memory directly; bump its version so autograd
         # refuses any graph that saved the old values.
         torch.autograd.graph.increment_version(self.weight)
         if is_dtensor(self.weight):
             torch.autograd.graph.increment_version(weight)
+        self._unchecked = (outcome, step, advance)
+        if report == "raise":
+            self.forge_check()
+
+    def forge_check(self):
+        """Check the layer's deferred step, if it has one (``report="defer"``); raise its
+        ``NonFiniteInputError`` (nothing was written, the step does not count) or
+        ``NonFiniteUpdateError`` (the layer stops, as after a failed step in ``"raise"``
+        mode). A clean step is counted in ``forge_step``. Waits only for the GPU to
+        finish that step (an event), not for everything queued after it."""
+        if self._unchecked is None:
+            return
+        outcome, step, advance = self._unchecked
+        self._unchecked = None
+        try:
+            outcome.check()
+        except NonFiniteUpdateError:
+            self._failed_step = step
+            raise
+        if advance:
+            self._set_step(step)
 
     def forge_accept_partial_step(self):
         """Go on after a NonFiniteUpdateError: the step that partly failed counts as taken
         (the tiles that stepped are at it; the skipped tiles keep their previous values)."""
         if self._failed_step is None:
             raise RuntimeError(f"fused layer {self.forge_name!r} has no failed step to accept")
-        self.forge_step.fill_(self._failed_step)
+        self._set_step(self._failed_step)
         self._failed_step = None
 
     def extra_repr(self):
@@ -237,12 +338,14 @@ def _shared_parameters(model: nn.Module) -> dict:
 
 
 def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp32", rounding=None,
-         seed=0, exclude=()) -> nn.Module:
+         seed=0, exclude=(), report="raise") -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a ForgeLinear using ``rule``.
 
     Weights may be float32 or bfloat16; ``state_format``, ``rounding`` and ``seed`` are
     those of ``fused_weight_update``. Each layer gets its own stochastic-rounding seed,
     derived from ``seed`` and its position in ``model.named_modules()`` order.
+    ``report`` is the layers' ``"raise"`` or ``"defer"`` (see ``ForgeLinear``; with
+    ``"defer"`` call ``check_updates(model)`` where a step's errors should surface).
 
     ``exclude`` names modules (as in ``named_modules()``) whose Linear layers, the module
     itself or any inside it, stay unfused, e.g. an ``lm_head`` tied to the embedding: its
@@ -260,6 +363,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     if isinstance(model, ForgeLinear) or type(model) is nn.Linear:
         raise TypeError("fuse converts the Linear layers inside a model; wrap a single layer with "
                         "ForgeLinear.from_linear instead")
+    check_report(report)
     shared = _shared_parameters(model)
     exclude = set(exclude)
     unknown = exclude - {name for name, _ in model.named_modules()}
@@ -292,5 +396,27 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     for index, (parent, child_name, qualified, linear) in enumerate(targets):
         setattr(parent, child_name, ForgeLinear.from_linear(
             linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
-            seed=stream_seed(seed, index + 1, 0), name=qualified))
+            seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
     return model
+
+
+def check_updates(model: nn.Module) -> None:
+    """Check every fused layer's deferred step (``report="defer"``), in
+    ``named_modules()`` order, and raise the first error found, after every layer has
+    been checked (so each failed layer is stopped, and each clean one counts its
+    step); the others are named in the error's notes (Python 3.11 and later). Costs
+    one wait for the GPU to finish the steps, and nothing when there are none."""
+    errors = []
+    for module in model.modules():
+        if isinstance(module, ForgeLinear):
+            try:
+                module.forge_check()
+            except FloatingPointError as error:
+                errors.append((module.forge_name, error))
+    if not errors:
+        return
+    first = errors[0][1]
+    if hasattr(first, "add_note"):  # Python >= 3.11
+        for name, error in errors[1:]:
+            first.add_note(f"fused layer {name!r} failed too: {error}")
+    raise first

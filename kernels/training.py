@@ -8,6 +8,10 @@ skip parameters without a gradient, and fused weights never have one, so the gro
 never stepped by torch, but a torch LR scheduler moves its ``lr`` like any other and
 the trainer hands it to the rule before each step.
 
+Fused steps are taken with ``report="defer"``: no layer waits for the GPU in the
+backward; ``step()`` checks every layer's step once at its end (``check_updates``),
+before the torch optimizer steps, as torch's GradScaler reads its inf check once.
+
 Global-norm clipping (``max_norm``) is exact: bitwise ``clip_grad_norm_`` then the
 oracle step. Gradient accumulation (several micro-batch closures per ``step``) is
 bitwise the standard pipeline with ``gradients="materialized"``; on the fused path
@@ -19,8 +23,10 @@ import torch
 # The grouping clip_grad_norm_ itself uses: the norms must be stacked in its order.
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .linear import ForgeLinear
-from .ops.validation import check_finite_inputs
+from ._backend import on_device, quiet_non_finite
+from .errors import NonFiniteInputError
+from .linear import ForgeLinear, check_updates
+from .ops.finite_check import STATUS_WORDS, launch_finite_check
 from .ops.weight_gradient import weight_gradient
 from .tensor_parallel import is_dtensor
 from .rules.sgd import SGD, SGDMicroBatch
@@ -72,12 +78,38 @@ def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
-def _layer_gradient(layer, x2d, dy2d):
+class _InputCheck:
+    """Non-finite operands of the fused layers' materialized gradients: counted on the
+    device as each layer's gradient is taken (no synchronization), read once per step."""
+
+    def __init__(self):
+        self.status = {}
+
+    def count(self, x2d, dy2d):
+        status = self.status.get(x2d.device)
+        if status is None:
+            status = self.status[x2d.device] = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=x2d.device)
+        with on_device(x2d.device), quiet_non_finite():
+            launch_finite_check(status, x2d, dy2d)
+
+    def raise_if_any(self):
+        counts = [sum(words) for words in zip(*(status[:2].tolist() for status in self.status.values()))]
+        if any(counts):
+            raise NonFiniteInputError(f"non-finite inputs to the fused layers: {counts[0]} activation and {counts[1]} "
+                                      "output-gradient element(s) are NaN or infinite; nothing was updated")
+
+
+def _layer_gradient(layer, x2d, dy2d, inputs: _InputCheck):
     """The layer's fp32 weight gradient through the fused kernel's own tile loop (so it is
-    the gradient the fused step would use); non-finite operands are refused first, before
-    anything has stepped."""
-    check_finite_inputs(x2d, dy2d)
-    return weight_gradient(x2d, dy2d, config=layer.config)
+    the gradient the fused step would use); non-finite operands are counted in
+    ``inputs``, which the caller reads before anything steps."""
+    grad = weight_gradient(x2d, dy2d, config=layer.config)
+    inputs.count(x2d, dy2d)
+    return grad
+
+
+def _deferred_step(layer, x2d, dy2d):
+    layer._apply_step(x2d, dy2d, report="defer")
 
 
 class Trainer:
@@ -121,6 +153,15 @@ class Trainer:
     together, bitwise the standard pipeline (``.grad`` accumulation, ``clip_grad_norm_``,
     then the rule); it costs 4 bytes per fused parameter for the buffers, the memory the
     fused path saves.
+
+    Non-finite values: the fused steps are deferred (``report="defer"``), so a layer whose
+    inputs or tiles are non-finite does not stop the backward; it writes nothing (or
+    leaves its bad tiles), the other layers step, and ``step()`` raises at its end, before
+    the torch optimizer steps. The passes that materialize gradients (exact clipping's
+    norm pass, ``"materialized"``) count non-finite operands on the device and raise
+    before any fused layer steps. With several micro-batches on the fused path, a layer
+    checks its previous micro-batch's step before taking the next (a wait for that
+    step's event, not for the whole queue), so a failure stops it as without a trainer.
     """
 
     def __init__(self, model, optimizer=None, *, scheduler=None, max_norm=None, clipping="exact", gradients="fused"):
@@ -199,6 +240,8 @@ class Trainer:
                 losses = self._clipped_fused_step(closures)
             else:
                 losses = self._fused_step(closures)
+            # The fused steps were deferred: their outcome, read once for every layer.
+            check_updates(self.model)
         except BaseException:
             # Unfused gradients of a step that did not finish must not leak into the next.
             self.optimizer.zero_grad(set_to_none=True)
@@ -229,7 +272,7 @@ class Trainer:
 
     def _fused_step(self, closures):
         if len(closures) == 1:
-            return self._run(closures, lambda index: None)
+            return self._run(closures, lambda index: _deferred_step)
         self._check_accumulates_in_state()
         last = len(closures) - 1
         phases = {}
@@ -239,7 +282,8 @@ class Trainer:
 
         def backward_for(index):
             def accumulate(layer, x2d, dy2d):
-                layer._apply_step(x2d, dy2d, rule=phases[id(layer.rule), index], advance=index == last)
+                layer._apply_step(x2d, dy2d, rule=phases[id(layer.rule), index], advance=index == last,
+                                  report="defer")
             return accumulate
         return self._run(closures, backward_for)
 
@@ -261,12 +305,14 @@ class Trainer:
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         norms = {}
+        inputs = _InputCheck()
 
         def measure(layer, x2d, dy2d):
-            norms[id(layer.weight)] = torch.linalg.vector_norm(_layer_gradient(layer, x2d, dy2d), 2.0)
+            norms[id(layer.weight)] = torch.linalg.vector_norm(_layer_gradient(layer, x2d, dy2d, inputs), 2.0)
 
         self._run(closures, lambda index: measure)
-        scale = self._clip_scale(norms)
+        scale = self._clip_scale(norms, inputs)
+        scale_value = float(scale)
         unfused = [p for p in unfused_parameters(self.model) if p.grad is not None]
         clipped = [p.grad.mul_(scale) for p in unfused]  # the multiply clip_grad_norm_ does
         for p in unfused:
@@ -280,7 +326,7 @@ class Trainer:
             if id(layer.weight) not in measured:
                 raise RuntimeError(f"fused layer {layer.forge_name!r} ran in the stepping pass but not in the "
                                    "norm pass: the closure must run the same layers each time it is called")
-            layer._apply_step(x2d, dy2d, grad_scale=float(scale))
+            layer._apply_step(x2d, dy2d, grad_scale=scale_value, report="defer")
 
         losses = self._run(closures, lambda index: clipped_step)
         for p, grad in zip(unfused, clipped):
@@ -295,15 +341,19 @@ class Trainer:
         if len(closures) > 1:
             self._check_accumulates_in_state()
         scale = clip_coefficient(self.max_norm, self.last_norm)
+        scale_value = float(scale)
         norms = {}
+        inputs = _InputCheck()
 
         def measure_and_step(layer, x2d, dy2d):
-            grad = _layer_gradient(layer, x2d, dy2d)
+            grad = _layer_gradient(layer, x2d, dy2d, inputs)
             norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
-            layer._apply_step(None, None, grad=grad, grad_scale=float(scale))
+            # apply_rule refuses a non-finite gradient itself: nothing is written for that layer.
+            layer._apply_step(None, None, grad=grad, grad_scale=scale_value, report="defer")
 
         losses = self._run(closures, lambda index: measure_and_step)
-        self._clip_scale(norms)  # this step's norm, for the next step (refuses a non-finite one)
+        check_updates(self.model)  # the steps' own errors first: they name what was (not) written
+        self._clip_scale(norms, inputs)  # this step's norm, for the next step (refuses a non-finite one)
         self._scale_unfused_gradients(scale)
         return losses
 
@@ -312,18 +362,20 @@ class Trainer:
             if p.grad is not None:
                 p.grad.mul_(factor)  # the multiply clip_grad_norm_ does
 
-    def _clip_scale(self, fused_norms):
+    def _clip_scale(self, fused_norms, inputs: _InputCheck):
         norm = total_norm(self.model.parameters(), fused_norms)
         if not bool(torch.isfinite(norm)):
+            inputs.raise_if_any()  # the more precise error, when that is the cause
             raise FloatingPointError(f"the global gradient norm is {float(norm)}; nothing was stepped")
         self.last_norm = norm
         return clip_coefficient(self.max_norm, norm)
 
     def _materialized_step(self, closures):
         buffers = {}
+        inputs = _InputCheck()
 
         def accumulate(layer, x2d, dy2d):
-            grad = _layer_gradient(layer, x2d, dy2d)
+            grad = _layer_gradient(layer, x2d, dy2d, inputs)
             if layer in buffers:
                 buffers[layer].add_(grad)  # what autograd does to an existing .grad
             else:
@@ -333,11 +385,13 @@ class Trainer:
         scale = 1.0
         if self.max_norm is not None:
             coefficient = self._clip_scale({id(layer.weight): torch.linalg.vector_norm(grad, 2.0)
-                                            for layer, grad in buffers.items()})
+                                            for layer, grad in buffers.items()}, inputs)
             self._scale_unfused_gradients(coefficient)
             scale = float(coefficient)
+        else:
+            inputs.raise_if_any()
         for layer, grad in buffers.items():
-            layer._apply_step(None, None, grad=grad, grad_scale=scale)
+            layer._apply_step(None, None, grad=grad, grad_scale=scale, report="defer")
         return losses
 
     def state_dict(self) -> dict:

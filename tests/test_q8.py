@@ -98,7 +98,7 @@ def test_small_second_moments_stay_nonzero(rounding, device):
 def test_q8_needs_whole_blocks_per_tile(device):
     x, dy, w = _problem(device)
     rule = fk.AdamW()
-    with pytest.raises(ValueError, match="q8 state needs block_k >= 32"):
+    with pytest.raises(ValueError, match="q8 state needs block_k / epilogue_split >= 32"):
         fk.fused_weight_update(x, dy, w, rule.init_state(w, "q8"), rule, 1, config=fk.TileConfig(block_k=16))
 
 

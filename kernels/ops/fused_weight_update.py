@@ -12,20 +12,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting, on_device
+from .._backend import interpreting, on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
-from ..errors import NonFiniteUpdateError
 from ..rules.base import NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
+from .finite_check import BAD_TILES, FP32_MAX, STATUS_WORDS, launch_finite_check
 from .stochastic_round import check_seed, rn_bf16, sr_bf16_with, stream_seed
+from .update_report import UpdateReport
 from ..weight_slice import WeightSlice
-from .validation import (check_finite_inputs, check_grad_scale, check_gradient, check_update_inputs,
-                         check_weight_and_state)
+from .validation import check_grad_scale, check_gradient, check_update_inputs, check_weight_and_state
 from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
-# A constexpr global: the only kind a compiled kernel may read.
-FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# Constexpr globals: the only kind a compiled kernel may read.
+_BAD_TILES = tl.constexpr(BAD_TILES)
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, k0, KB, keep, m
 
 
 @triton.jit
-def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -103,8 +103,12 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     rounds, not memory, bounded the bf16 epilogue when each output drew its own. q8 state is decoded before the
     rule and re-encoded after it, block by block (``forge_kernels.q8``). A tile whose
     gradient, new weight or new state holds a NaN or infinity (or a value too large for
-    its format) is not stored at all: weight and state keep their old values, and the
-    tile's count of bad elements goes to ``flag_ptr[tile_id]`` so the launcher can raise.
+    its format) is not stored at all: weight and state keep their old values, the
+    tile's count of bad elements goes to ``flag_ptr[tile_id]`` and the tile is counted
+    in the status word ``status_ptr[BAD_TILES]``, so the launcher can raise. No tile
+    stores anything when the input check (``finite_check``, launched before on the
+    same stream) counted a non-finite input in ``status_ptr[0]`` or ``status_ptr[1]``;
+    those tiles are not counted as bad (the input error is the one to report).
     ``NONNEGATIVE`` has bit i set when slot i only holds values >= 0 (its q8 map is the
     unsigned one); ``KB`` is the number of q8 blocks in a row.
 
@@ -141,21 +145,23 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     finite = finite & _slot_is_storable(s1.to(tl.float32), S_Q8)
     finite = finite & _slot_is_storable(s2.to(tl.float32), S_Q8)
     num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
+    inputs_ok = (tl.load(status_ptr) == 0) & (tl.load(status_ptr + 1) == 0)
+    tile_ok = ((num_bad == 0) & inputs_ok).to(tl.int32)
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
-    keep = mask & ((idx * 0 + num_bad) == 0)
+    keep = mask & ((idx * 0 + tile_ok) != 0)
     tl.store(w_ptr + idx, w, mask=keep)
-    tile_ok = (num_bad == 0).to(tl.int32)
     _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r1,
                 HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
     _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r2,
                 HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
     _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r3,
                 HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
+    tl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
     tl.store(flag_ptr + tile_id, num_bad)
 
 
 @triton.jit
-def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -171,7 +177,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     loaded together (ptxas: 255 registers and kilobytes of spills); a quarter at a time
     fits (204, none)."""
     if SPLIT == 1:
-        _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+        _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                        offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
                        seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                        BLOCK_N, BLOCK_K)
@@ -183,7 +189,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
         for half in tl.static_range(2):
             g_half = left if half == 0 else right
             if SPLIT == 2:
-                _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr,
+                _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
                                tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0, col0, global_k,
                                grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1,
                                HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, HALF)
@@ -191,7 +197,8 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                 first, second = tl.split(tl.permute(tl.reshape(g_half, (BLOCK_N, 2, QUARTER)), (0, 2, 1)))
                 for part in tl.static_range(2):
                     _rule_epilogue(first if part == 0 else second, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr,
-                                   e2_ptr, table_ptr, flag_ptr, tile_id * 4 + half * 2 + part, offs_n, mask_n,
+                                   e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id * 4 + half * 2 + part, offs_n,
+                                   mask_n,
                                    k0 + half * HALF + part * QUARTER, K, KB, row0, col0, global_k, grad_scale,
                                    h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2,
                                    W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, QUARTER)
@@ -199,7 +206,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
-                                flag_ptr, T, N, K, KB, row0, col0, global_k,
+                                flag_ptr, status_ptr, T, N, K, KB, row0, col0, global_k,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
                                 h0, h1, h2, h3, h4, h5, h6, h7, seed,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -217,7 +224,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
-    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
@@ -225,7 +232,8 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
-def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, N, K, KB,
+def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
+                       N, K, KB,
                        row0, col0, global_k, grad_scale,
                        h0, h1, h2, h3, h4, h5, h6, h7, seed,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -242,37 +250,26 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     mask_k = offs_k < K
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
-    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, tile_id,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                    BLOCK_N, BLOCK_K, SPLIT)
 
 
-def _raise_if_flagged(flags: torch.Tensor, grid, config: TileConfig, N: int, K: int):
-    bad = torch.nonzero(flags).flatten().tolist()
-    if not bad:
-        return
-    split = config.epilogue_split
-    width = config.block_k // split
-    tiles = []
-    for tile_id in bad:
-        program, part = divmod(tile_id, split)
-        pid_n, pid_k = divmod(program, grid[1])
-        c0 = pid_k * config.block_k + part * width
-        tiles.append((pid_n * config.block_n, min(N, (pid_n + 1) * config.block_n), c0, min(K, c0 + width)))
-    r0, r1, c0, c1 = tiles[0]
-    raise NonFiniteUpdateError(
-        f"{len(tiles)} of {grid[0] * grid[1] * split} weight tiles had a non-finite gradient, weight or state "
-        f"after the rule (first: rows {r0}:{r1}, columns {c0}:{c1}). Those tiles were left unchanged; "
-        "the other tiles took the step.", tiles)
-
-
 ROUNDINGS = ("stochastic", "nearest")
+REPORTS = ("raise", "defer")
+
+
+def check_report(report) -> str:
+    if report not in REPORTS:
+        raise ValueError(f"report must be one of {REPORTS}, got {report!r}")
+    return report
 
 
 class _Epilogue:
-    """The validated, host-side arguments of the rule epilogue for one step."""
+    """The validated, host-side arguments of the rule epilogue for one step, and the
+    device status and per-tile flags its kernels write (one zeroed allocation)."""
 
     def __init__(self, weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice):
         self.grad_scale = check_grad_scale(grad_scale)
@@ -310,18 +307,20 @@ class _Epilogue:
             NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
         # One Philox key per step; its four words per element serve weight, s0, s1, s2.
         self.seed = stream_seed(seed, step)
-        N, K = weight.shape
+        self.shape = tuple(weight.shape)
+        N, K = self.shape
         self.blocks_per_row = triton.cdiv(K, q8.BLOCK)
         self.grid = (triton.cdiv(N, self.config.block_n), triton.cdiv(K, self.config.block_k))
-        self.flags = torch.empty(self.grid[0] * self.grid[1] * self.config.epilogue_split, dtype=torch.int32,
-                                 device=weight.device)
+        tiles = self.grid[0] * self.grid[1] * self.config.epilogue_split
+        words = torch.zeros(STATUS_WORDS + tiles, dtype=torch.int32, device=weight.device)
+        self.status, self.flags = words[:STATUS_WORDS], words[STATUS_WORDS:]
 
     def apply(self, grad, weight):
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
-        N, K = weight.shape
+        N, K = self.shape
         _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.table,
-                                      self.flags, N, K, self.blocks_per_row, *self.place, self.grad_scale,
-                                      *self.scalars, self.seed,
+                                      self.flags, self.status, N, K, self.blocks_per_row, *self.place,
+                                      self.grad_scale, *self.scalars, self.seed,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       SPLIT=self.config.epilogue_split, **self.config.launch_options())
 
@@ -329,22 +328,29 @@ class _Epilogue:
         """Launch the fused kernel; returns Triton's handle of the compiled kernel (its
         register and spill counts are what the benchmark's sweep records)."""
         T, K = x.shape
-        N = weight.shape[0]
+        N = self.shape[0]
         config = self.config
         return _fused_weight_update_kernel[self.grid](
-            x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, T, N, K,
+            x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             self.grad_scale, *self.scalars, self.seed,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             SPLIT=config.epilogue_split,
             UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
 
-    def raise_if_flagged(self, weight):
-        _raise_if_flagged(self.flags, self.grid, self.config, *weight.shape)
+    def report(self, report: str, num_inputs: int):
+        """The call's outcome: raised now (``"raise"``, one read of the status) or
+        returned as an ``UpdateReport`` (``"defer"``, no synchronization)."""
+        outcome = UpdateReport(self.status, self.flags, num_inputs, self.grid, self.config, self.shape,
+                               copy_async=report == "defer")
+        if report == "defer":
+            return outcome
+        outcome.check()
+        return None
 
 
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
-                        rounding=None, seed=0, grad_scale=1.0, weight_slice=None):
+                        rounding=None, seed=0, grad_scale=1.0, weight_slice=None, report="raise"):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
@@ -367,36 +373,43 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     ``grad_scale`` (a float32 value) multiplies the gradient before the rule, as
     ``clip_grad_norm_``'s clip coefficient multiplies a materialized gradient.
 
-    Non-finite values: NaN/inf in x or dy raise ``NonFiniteInputError`` before
-    anything is written. A tile whose gradient or result is non-finite (overflow)
-    is not written; the call then raises ``NonFiniteUpdateError`` listing the tiles.
+    Non-finite values: a kernel launched just before the update counts NaN/inf in x
+    and dy on the device; if there are any, the update writes nothing and the call
+    raises ``NonFiniteInputError``. A tile whose gradient or result is non-finite
+    (overflow) is not written; the call then raises ``NonFiniteUpdateError`` listing
+    the tiles. ``report="raise"`` (default) reads the outcome once (one device-to-host
+    synchronization) and raises; ``report="defer"`` does not synchronize at all and
+    returns an :class:`UpdateReport`, whose ``check()`` raises the same errors later
+    (the writes were already decided on the device: only the telling is deferred).
     T = 0 is allowed: dW is then the empty sum, 0, and the rule steps with a zero
     gradient (decay and momentum still act), as torch.optim does with a zero grad.
     """
+    check_report(report)
     check_update_inputs(x, dy, weight, state, rule)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
-    if weight.numel() == 0:
-        return
-    check_finite_inputs(x, dy)
-    with on_device(weight.device):
-        if oracle:
-            epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
-        else:
-            epilogue.fused(x, dy, weight)
-    epilogue.raise_if_flagged(weight)
+    with on_device(weight.device), quiet_non_finite():
+        if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
+            launch_finite_check(epilogue.status, x, dy)
+            if oracle:
+                epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
+            else:
+                epilogue.fused(x, dy, weight)
+        return epilogue.report(report, num_inputs=2)
 
 
 def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0,
-               weight_slice=None):
+               weight_slice=None, report="raise"):
     """One step of ``rule`` on a materialized fp32 gradient ``grad`` (N, K), in place: the
-    epilogue of the fused kernel (same rounding streams, same non-finite guard) as its
-    own kernel. With ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
+    epilogue of the fused kernel (same rounding streams, same non-finite guard: a
+    non-finite ``grad`` writes nothing and raises ``NonFiniteInputError``; ``report``
+    as in ``fused_weight_update``) as its own kernel. With
+    ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
+    check_report(report)
     check_gradient(grad, weight)
     check_weight_and_state(weight, state, rule, read=[("grad", grad)])
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
-    if weight.numel() == 0:
-        return
-    check_finite_inputs(grad)
-    with on_device(weight.device):
-        epilogue.apply(grad, weight)
-    epilogue.raise_if_flagged(weight)
+    with on_device(weight.device), quiet_non_finite():
+        if weight.numel():
+            launch_finite_check(epilogue.status, grad)
+            epilogue.apply(grad, weight)
+        return epilogue.report(report, num_inputs=1)

@@ -9,7 +9,6 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from .._backend import interpreting, kernel_device
-from ..errors import NonFiniteInputError
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 STORAGE_DTYPES = (torch.float32, torch.bfloat16)
@@ -27,9 +26,8 @@ def _span(t: torch.Tensor):
     return t.untyped_storage().data_ptr(), start * size, stop * size
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` may share memory (same storage, intersecting byte ranges)."""
-    sa, sb = _span(a), _span(b)
+def _spans_overlap(sa, sb) -> bool:
+    """True when two ``_span``s may share memory (same storage, intersecting byte ranges)."""
     if sa is None or sb is None or sa[0] != sb[0]:
         return False
     return sa[1] < sb[2] and sb[1] < sa[2]
@@ -87,9 +85,11 @@ def check_weight_and_state(weight, state, rule, read=()):
             "(or set TRITON_INTERPRET yourself before importing triton)")
     rule.check_state(state, weight)
     written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in sorted(state)]
-    for i, (name_a, a) in enumerate(written):
-        for name_b, b in written[i + 1:] + list(read):
-            if overlaps(a, b):
+    # Each span once: this runs on every step, over up to nine tensors.
+    spans = [(name, _span(t)) for name, t in written + list(read)]
+    for i, (name_a, a) in enumerate(spans[:len(written)]):
+        for name_b, b in spans[i + 1:]:
+            if _spans_overlap(a, b):
                 raise ValueError(f"{name_a} and {name_b} share memory; the update writes "
                                  f"{name_a} in place, so they must not overlap")
 
@@ -122,21 +122,6 @@ def check_gradient(grad, weight):
     _check_device("grad", grad)
     if grad.device != weight.device:
         raise ValueError(f"grad is on {grad.device} but weight on {weight.device}")
-
-
-def check_finite_inputs(*tensors):
-    """Refuse non-finite inputs (activations, output gradients, a given gradient) before
-    anything is written."""
-    # Every tensor's extremes: amin and amax propagate NaN and show an infinity, so finite
-    # extremes mean a finite tensor. Reductions allocate no temporaries the size of the
-    # inputs (isfinite would: a full boolean copy), and one device-to-host
-    # synchronization covers them all: this runs on every step.
-    extremes = [extreme.float() for t in tensors if t.numel() for extreme in torch.aminmax(t)]
-    if not extremes or bool(torch.isfinite(torch.stack(extremes)).all()):
-        return
-    counts = ", ".join(str(int((~torch.isfinite(t)).sum())) for t in tensors)
-    raise NonFiniteInputError(f"non-finite inputs: {counts} element(s) of the {len(tensors)} input tensor(s) "
-                              "are NaN or infinite; nothing was updated")
 
 
 def check_grad_scale(grad_scale) -> float:

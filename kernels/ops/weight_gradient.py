@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting, on_device
+from .._backend import interpreting, on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
 from .validation import check_activations
 
@@ -75,5 +75,5 @@ def weight_gradient(x, dy, *, config=None):
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(config).__name__}")
     check_activations(x, dy)
-    with on_device(x.device):
+    with on_device(x.device), quiet_non_finite():
         return launch_weight_gradient(x, dy, config)

@@ -1,0 +1,86 @@
+"""What a fused update found, read back from the device once: ``UpdateReport``.
+
+The update's kernels write their verdict to a small int32 status on the device (see
+``finite_check``): non-finite input elements, and tiles skipped for their own
+non-finite values; each tile's count of bad elements goes to ``flags``. The host
+reads the status (a few words) once, and ``flags`` only on the error path, to name
+the skipped tiles.
+"""
+
+import torch
+
+from ..errors import NonFiniteInputError, NonFiniteUpdateError
+from .finite_check import BAD_TILES
+
+
+def non_finite_input_error(counts) -> NonFiniteInputError:
+    """The error for inputs with ``counts[i]`` NaN or infinite elements in input i."""
+    return NonFiniteInputError(f"non-finite inputs: {', '.join(str(c) for c in counts)} element(s) of the "
+                               f"{len(counts)} input tensor(s) are NaN or infinite; nothing was updated")
+
+
+def _raise_if_flagged(flags: torch.Tensor, grid, config, N: int, K: int):
+    bad = torch.nonzero(flags).flatten().tolist()
+    if not bad:
+        return
+    # Flag i is column slice i % split of program i // split (TileConfig.epilogue_split).
+    split = config.epilogue_split
+    width = config.block_k // split
+    tiles = []
+    for tile_id in bad:
+        program, part = divmod(tile_id, split)
+        pid_n, pid_k = divmod(program, grid[1])
+        c0 = pid_k * config.block_k + part * width
+        tiles.append((pid_n * config.block_n, min(N, (pid_n + 1) * config.block_n), c0, min(K, c0 + width)))
+    r0, r1, c0, c1 = tiles[0]
+    raise NonFiniteUpdateError(
+        f"{len(tiles)} of {grid[0] * grid[1] * split} weight tiles had a non-finite gradient, weight or state "
+        f"after the rule (first: rows {r0}:{r1}, columns {c0}:{c1}). Those tiles were left unchanged; "
+        "the other tiles took the step.", tiles)
+
+
+class UpdateReport:
+    """The outcome of one ``fused_weight_update`` or ``apply_rule`` call made with
+    ``report="defer"``; ``check()`` raises what the call would have raised.
+
+    The kernels have already decided what to write: a non-finite input means nothing
+    was written, a non-finite tile was left unchanged. The report only tells the host.
+    On a GPU the call has queued a copy of the status words into pinned host memory and
+    recorded an event after it, so ``check()`` waits for that event alone (at once if
+    the GPU has passed it) instead of draining the queue; ``done()`` says, without
+    waiting, whether it has. On the CPU (the Triton interpreter) the kernels have run
+    by the time the call returns.
+
+    ``status`` and ``flags`` are the device tensors the kernels wrote (see
+    ``forge_kernels.ops.finite_check`` for the layout); keep them unmodified.
+    """
+
+    def __init__(self, status, flags, num_inputs, grid, config, shape, *, copy_async):
+        self.status, self.flags = status, flags
+        self._num_inputs, self._grid, self._config, self._shape = num_inputs, grid, config, shape
+        self._host = self._event = None
+        if copy_async and status.device.type == "cuda":
+            stream = torch.cuda.current_stream(status.device)
+            self._host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+            self._host.copy_(status, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+
+    def done(self) -> bool:
+        """True once the status can be read without waiting (always on the CPU)."""
+        return self._event is None or self._event.query()
+
+    def check(self) -> None:
+        """Return if the update was clean; otherwise raise ``NonFiniteInputError``
+        (nothing was written) or ``NonFiniteUpdateError`` (the listed tiles were left
+        unchanged, the others stepped). Checking again raises again."""
+        if self._event is not None:
+            self._event.synchronize()
+            words = self._host.tolist()
+        else:
+            words = self.status.tolist()  # CPU: no stream to wait for; GPU without a copy: one sync
+        counts = words[:self._num_inputs]
+        if any(counts):
+            raise non_finite_input_error(counts)
+        if words[BAD_TILES]:
+            _raise_if_flagged(self.flags, self._grid, self._config, *self._shape)
