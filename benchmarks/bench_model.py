@@ -9,6 +9,10 @@ variant; the norms' weights are stepped by a torch AdamW in both variants.
 
 Variants: ``bf16`` (bf16 weights; FORGE keeps bf16 state with stochastic rounding, torch
 keeps bf16 state) and ``fp32-master`` (fp32 weights under bf16 autocast; fp32 state).
+Methods: ``torch``; ``forge`` (each fused layer reads its outcome once in its backward,
+``report="raise"``, the default); ``forge deferred`` (``report="defer"``: no layer
+synchronizes, and ``fk.check_updates(model)`` reads every layer's outcome once at the
+end of the step, as ``fk.Trainer`` does).
 Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
 forward, backward and optimizer); peak is ``torch.cuda.max_memory_allocated`` over the
 timed steps. Writes a CSV and prints a table.
@@ -75,11 +79,12 @@ def build(layers, dtype, seed=0):
 def variant(name, method, layers, tokens, configs):
     dtype = torch.bfloat16 if name == "bf16" else torch.float32
     model = build(layers, dtype)
-    if method == "forge":
+    deferred = method == "forge deferred"
+    if method.startswith("forge"):
         regime = "bf16-sr" if name == "bf16" else "fp32"
         config = tuned_config(configs, regime, tokens) if configs else fk.PINNED
         fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format="bf16" if name == "bf16" else "fp32",
-                config=config, seed=1)
+                config=config, seed=1, report="defer" if deferred else "raise")
         others = [p for n, p in model.named_parameters() if "norm" in n]
     else:
         others = list(model.parameters())
@@ -92,6 +97,8 @@ def variant(name, method, layers, tokens, configs):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if deferred:
+            fk.check_updates(model)
     return model, step
 
 
@@ -128,12 +135,12 @@ def main(argv=None):
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name in ("bf16", "fp32-master"):
-            for method in ("torch", "forge"):
+            for method in ("torch", "forge", "forge deferred"):
                 model, step = variant(name, method, args.layers, tokens, configs)
                 median, low, high, peak = measure(step, args.warmup, args.steps)
                 rows.append({**meta, "tokens": tokens, "variant": name, "method": method, "median_ms": f"{median:.3f}",
                              "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak})
-                print(f"T={tokens:5d} {name:11s} {method:5s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB",
+                print(f"T={tokens:5d} {name:11s} {method:14s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB",
                       flush=True)
                 del model, step
                 torch.cuda.empty_cache()

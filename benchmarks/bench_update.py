@@ -3,8 +3,10 @@ against PyTorch, per weight shape, token count and storage regime.
 
 Methods (AdamW, lr 1e-3, weight decay 0.01; bf16 activations x (T, K) and dy (T, N)):
 
-* ``forge``: ``fk.fused_weight_update`` as users call it (input checks and the
-  non-finite report included);
+* ``forge``: ``fk.fused_weight_update`` as users call it (argument checks, the device
+  input check, and the outcome read back once: ``report="raise"``, the default);
+* ``forge deferred``: the same with ``report="defer"``, no synchronization; each call
+  checks the previous call's report first, as a fused layer does at its next step;
 * ``forge kernel``: the same kernel launched alone (a diagnostic: what the checks cost);
 * ``torch``: cuBLAS dW = dyᵀx, then ``torch.optim.AdamW(fused=True)``;
 * ``torch hook``: PyTorch's optimizer-in-backward, one optimizer stepping from a
@@ -26,6 +28,7 @@ and prints a table.
 """
 
 import argparse
+import ast
 import csv
 import json
 import os
@@ -148,6 +151,15 @@ def methods(layer, regime, config):
         fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config, seed=next(seed))
     found["forge"] = forge
 
+    pending = []
+
+    def forge_deferred():
+        if pending:
+            pending.pop().check()
+        pending.append(fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config,
+                                              seed=next(seed), report="defer"))
+    found["forge deferred"] = forge_deferred
+
     found["forge kernel"] = kernel_step(layer, config, r, state)
 
     param = torch.nn.Parameter(layer.w.clone())
@@ -236,8 +248,8 @@ def tuned_config(configs, regime, t):
     return fk.TileConfig(*entries[str(chosen)])
 
 
-def tune(shape, tokens, regimes, bandwidth, matrix_rate, writer, meta):
-    """Sweep CANDIDATES per regime and token count on one shape; returns the best of each."""
+def tune(shape, tokens, regimes, candidates, bandwidth, matrix_rate, writer, meta):
+    """Sweep ``candidates`` per regime and token count on one shape; returns the best of each."""
     n, k = shape
     best = {}
     for regime in regimes:
@@ -246,7 +258,7 @@ def tune(shape, tokens, regimes, bandwidth, matrix_rate, writer, meta):
             layer = Layer(n, k, t, regime)
             floor = floor_ms(n, k, t, regime, bandwidth, matrix_rate)
             results = []
-            for candidate in CANDIDATES:
+            for candidate in candidates:
                 config = fk.TileConfig(*candidate)
                 if REGIMES[regime][1] == "q8" and config.block_k // config.epilogue_split < fk.q8.BLOCK:
                     continue
@@ -280,6 +292,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--regimes", default=",".join(REGIMES))
+    parser.add_argument("--candidates", default=None, help="with --tune: configs to sweep instead of CANDIDATES, "
+                                                           "as Python tuples separated by ';'")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_update.py measures on a GPU; none is visible here")
@@ -306,7 +320,9 @@ def main(argv=None):
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         if args.tune:
-            best = tune(shapes[0], tokens, regimes, bandwidth, matrix_rate, writer, meta)
+            candidates = ([ast.literal_eval(c) for c in args.candidates.split(";")] if args.candidates
+                          else CANDIDATES)
+            best = tune(shapes[0], tokens, regimes, candidates, bandwidth, matrix_rate, writer, meta)
             target = Path(args.out).with_name(CONFIGS_FILE.name)
             target.write_text(json.dumps({"gpu": meta["gpu"], "triton": meta["triton"], "shape": list(shapes[0]),
                                           **best}, indent=1) + "\n")
