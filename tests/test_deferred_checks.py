@@ -7,6 +7,7 @@ the eager step's bits."""
 
 import copy
 import sys
+import warnings
 
 import pytest
 import torch
@@ -406,8 +407,12 @@ def test_deferred_update_and_layer_backward_do_not_synchronize():
     fk.check_updates(layer)
     inputs = x.float().requires_grad_()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():  # torch warns that the mode is a prototype; tests turn warnings into errors
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        with pytest.raises(RuntimeError, match="synchronizing"):  # the mode is on: a known sync raises
+            torch.ones(1, device="cuda").sum().item()
         report = fk.fused_weight_update(x, dy, w, state, rule, 2, report="defer")
         layer(inputs).backward(dy.float())
     finally:
