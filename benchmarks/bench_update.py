@@ -30,6 +30,7 @@ and prints a table.
 import argparse
 import ast
 import csv
+import gc
 import json
 import os
 import statistics
@@ -348,6 +349,7 @@ def main(argv=None):
                                          "max_ms": f"{high:.5f}", "peak_bytes": peak, "floor_ms": f"{floor:.5f}"})
                     handle.flush()
                     del layer
+                    gc.collect()
                     torch.cuda.empty_cache()
     print_table(rows)
     return 0
