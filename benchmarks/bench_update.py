@@ -270,6 +270,7 @@ def tune(shape, tokens, regimes, candidates, bandwidth, matrix_rate, writer, met
                 except Exception as error:  # e.g. out of shared memory: that config is not a candidate here
                     print(f"  {regime} T={t} {candidate}: {type(error).__name__}", file=sys.stderr)
                     continue
+                # n_spills is Triton's: the kernel's local memory in 4-byte words.
                 registers = f"{getattr(compiled, 'n_regs', '?')} regs, {getattr(compiled, 'n_spills', '?')} spills"
                 results.append((median, candidate, registers))
                 writer.writerow({**meta, "n": n, "k": k, "tokens": t, "regime": regime,

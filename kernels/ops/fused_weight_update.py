@@ -175,7 +175,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     The epilogue is element-wise, so slicing changes no bit; it bounds what is live at
     once. A 128x128 tile, which halves the GEMM's operand traffic against 64x128, needs
     more registers than a thread has when its weight, state and their addresses are all
-    loaded together (fp32 AdamW compiled on an H200: 255 registers and 614 bytes of
+    loaded together (fp32 AdamW compiled on an H200: 255 registers and 2.4 KB of
     spills); a quarter at a time fits (206, none)."""
     if SPLIT == 1:
         _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
