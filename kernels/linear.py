@@ -209,6 +209,12 @@ class ForgeLinear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A checkpoint holds checked steps only: an unchecked one would be counted wrong.
         self.forge_check()
+        if self._failed_step is not None:
+            # Its tiles are at two steps and forge_step names neither for all of them; a
+            # checkpoint of it would load as a healthy layer.
+            raise RuntimeError(
+                f"fused layer {self.forge_name!r} stopped at step {self._failed_step} with some tiles left "
+                "unstepped: call forge_accept_partial_step() first to checkpoint it as it is, or restore a checkpoint")
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def __getstate__(self):
@@ -273,7 +279,12 @@ class ForgeLinear(nn.Linear):
             x2d, dy2d = local_operands(self.weight, x2d, dy2d)
         # The previous deferred step first: it may have failed, and its step count is
         # this step's base. Its event is long passed by now, so this waits for nothing.
-        self.forge_check()
+        try:
+            self.forge_check()
+        except FloatingPointError as error:
+            _reword(error, "", " (a deferred step, checked at this layer's next backward, which took no step: "
+                               "call fk.check_updates(model) once per step to learn of it in its own step)")
+            raise
         if self._failed_step is not None:
             raise RuntimeError(
                 f"fused layer {self.forge_name!r} stopped at step {self._failed_step}: some of its tiles were "
@@ -311,8 +322,10 @@ class ForgeLinear(nn.Linear):
         self._unchecked = None
         try:
             outcome.check()
-        except NonFiniteUpdateError:
-            self._failed_step = step
+        except FloatingPointError as error:
+            if isinstance(error, NonFiniteUpdateError):
+                self._failed_step = step
+            _reword(error, f"fused layer {self.forge_name!r}, step {step}: ", "")
             raise
         if advance:
             self._set_step(step)
@@ -327,6 +340,13 @@ class ForgeLinear(nn.Linear):
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rule={self.rule!r}, oracle={self.oracle}"
+
+
+def _reword(error: BaseException, before: str, after: str) -> None:
+    """Put where a deferred error came from into its message (``args[0]``, which is what
+    the non-finite errors print; their other attributes are kept)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (before + error.args[0] + after,) + error.args[1:]
 
 
 def _shared_parameters(model: nn.Module) -> dict:

@@ -154,8 +154,9 @@ def test_bad_config_and_rule_are_refused(good):
         _call(x, dy, w, rule.init_state(w, "q8"), rule, config=fk.TileConfig(block_k=64, epilogue_split=4))
 
 
-def test_maxnreg_reaches_the_launch_and_nothing_else():
-    """A register cap is a launch option only: the interpreter drops it, the compiler gets it."""
+def test_maxnreg_is_passed_as_a_launch_option():
+    """A register cap goes to the launch (the compiler's option), and only when set;
+    that it changes no bit is tests/test_epilogue_split.py's."""
     assert "maxnreg" not in fk.PINNED.launch_options()
     assert fk.TileConfig(num_warps=8, maxnreg=128).launch_options()["maxnreg"] == 128
 

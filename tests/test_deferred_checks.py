@@ -254,11 +254,17 @@ def test_deferred_overflow_stops_the_layer_like_the_eager_path(device, surfaces_
         else:
             layer(ones).backward(ones)
     assert deferred.value.tiles == eager.value.tiles
+    assert str(deferred.value).startswith("fused layer 'ForgeLinear', step 1: ")  # whose step it was
+    if surfaces_at == "next_backward":  # and that the backward it surfaced in took no step of its own
+        assert "checked at this layer's next backward, which took no step" in str(deferred.value)
     assert_bitwise_equal(layer.weight.detach(), layers["raise"].weight.detach(), "weight")  # nothing more ran
     assert layer._failed_step == 1 and int(layer.forge_step) == 0
     with pytest.raises(RuntimeError, match="stopped at step 1"):
         layer(ones).backward(ones)
+    with pytest.raises(RuntimeError, match="forge_accept_partial_step"):  # no checkpoint of mixed steps
+        layer.state_dict()
     layer.forge_accept_partial_step()
+    layer.state_dict()
     assert int(layer.forge_step) == 1
     layer(ones).backward(ones)
     fk.check_updates(layer)
