@@ -99,12 +99,13 @@ class _InputCheck:
                                       "output-gradient element(s) are NaN or infinite; nothing was updated")
 
 
-def _layer_gradient(layer, x2d, dy2d, inputs: _InputCheck):
+def _layer_gradient(layer, x2d, dy2d, inputs=None):
     """The layer's fp32 weight gradient through the fused kernel's own tile loop (so it is
     the gradient the fused step would use); non-finite operands are counted in
-    ``inputs``, which the caller reads before anything steps."""
+    ``inputs`` (an ``_InputCheck``), which the caller reads before anything steps."""
     grad = weight_gradient(x2d, dy2d, config=layer.config)
-    inputs.count(x2d, dy2d)
+    if inputs is not None:
+        inputs.count(x2d, dy2d)
     return grad
 
 
@@ -343,17 +344,20 @@ class Trainer:
         scale = clip_coefficient(self.max_norm, self.last_norm)
         scale_value = float(scale)
         norms = {}
-        inputs = _InputCheck()
 
         def measure_and_step(layer, x2d, dy2d):
-            grad = _layer_gradient(layer, x2d, dy2d, inputs)
+            grad = _layer_gradient(layer, x2d, dy2d)
             norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
-            # apply_rule refuses a non-finite gradient itself: nothing is written for that layer.
+            # apply_rule refuses a non-finite gradient itself (its operands' included):
+            # nothing is written for that layer, and check_updates below says so.
             layer._apply_step(None, None, grad=grad, grad_scale=scale_value, report="defer")
 
         losses = self._run(closures, lambda index: measure_and_step)
         check_updates(self.model)  # the steps' own errors first: they name what was (not) written
-        self._clip_scale(norms, inputs)  # this step's norm, for the next step (refuses a non-finite one)
+        # This step's norm, for the next step; a non-finite one is refused, but the fused
+        # layers have stepped by now (this mode steps them before the norm is known).
+        self._clip_scale(norms, stepped="the fused layers have stepped (previous-norm clipping steps them before "
+                                        "the norm is known); the torch optimizer has not")
         self._scale_unfused_gradients(scale)
         return losses
 
@@ -362,11 +366,12 @@ class Trainer:
             if p.grad is not None:
                 p.grad.mul_(factor)  # the multiply clip_grad_norm_ does
 
-    def _clip_scale(self, fused_norms, inputs: _InputCheck):
+    def _clip_scale(self, fused_norms, inputs=None, stepped="nothing was stepped"):
         norm = total_norm(self.model.parameters(), fused_norms)
         if not bool(torch.isfinite(norm)):
-            inputs.raise_if_any()  # the more precise error, when that is the cause
-            raise FloatingPointError(f"the global gradient norm is {float(norm)}; nothing was stepped")
+            if inputs is not None:
+                inputs.raise_if_any()  # the more precise error, when that is the cause
+            raise FloatingPointError(f"the global gradient norm is {float(norm)}; {stepped}")
         self.last_norm = norm
         return clip_coefficient(self.max_norm, norm)
 

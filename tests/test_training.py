@@ -222,6 +222,22 @@ def test_non_finite_gradient_norm_steps_nothing(scale, gradients, device):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_previous_norm_says_the_fused_layers_stepped_when_the_norm_is_not_finite(device):
+    """Approximate clipping steps the fused layers before the norm is known: when only an
+    unfused gradient is non-finite, the error says they stepped and the torch optimizer
+    did not, and their step counts show it."""
+    model = fk.fuse(_gpt(device), fk.AdamW())
+    unfused = fk.unfused_parameters(model)
+    trainer = fk.Trainer(model, torch.optim.AdamW(unfused), max_norm=1.0, clipping="previous-norm")
+    trainer.step(_closures(model, device, 0))  # step 1 clips exactly; the approximate mode starts at 2
+    unfused[0].register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    before = unfused[0].detach().clone()
+    with pytest.raises(FloatingPointError, match="the fused layers have stepped"):
+        trainer.step(_closures(model, device, 1))
+    assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
+    assert_bitwise_equal(unfused[0].detach(), before, "unfused parameter")
+
+
 class _TwoExperts(nn.Module):
     """Each token goes to the expert ``choice`` names; an expert with no tokens is either
     not called or called on an empty batch."""
