@@ -38,6 +38,8 @@ def _count_non_finite_tile(ptr, tile, rows, cols, stride_r, stride_c,
     mask = (offs_r < rows)[:, None] & (offs_c < cols)[None, :]
     # bf16 upcasts exactly (NaN and infinities included); |v| <= FP32_MAX is false for
     # NaN and for both infinities.
+    # int32 offsets suffice: the launchers refuse tensors whose strides reach past 2**31 - 1
+    # elements (validation.MAX_ELEMENTS), as the update kernels index the same way.
     v = tl.load(ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0)
     finite = tl.abs(v.to(tl.float32)) <= FP32_MAX
     return tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)

@@ -67,7 +67,9 @@ class UpdateReport:
             self._event.record(stream)
 
     def done(self) -> bool:
-        """True once the status can be read without waiting (always on the CPU)."""
+        """True once the status can be read without waiting (always on the CPU). A report
+        made without the asynchronous copy (the ``"raise"`` path, checked at once) has no
+        event to ask: it says True, and its ``check()`` synchronizes."""
         return self._event is None or self._event.query()
 
     def check(self) -> None:
