@@ -116,14 +116,19 @@ def time_figure(rows):
         floor = [by_tokens[t] for t in tokens]
         if None not in floor:
             ax.plot(tokens, floor, color="black", ls=":", label="floor")
-        ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("tokens per step")
-        ax.set_ylabel("time per step (ms, median; bars: min-max)")
-        ax.set_title(f"{gpu}: {n}×{k}, {regime}", fontsize=9)
-        ax.legend(fontsize=8)
+        _label_panel(ax, "time per step (ms, median; bars: min-max)", gpu, n, k, regime)
     fig.tight_layout()
     return fig
+
+
+def _label_panel(ax, ylabel, gpu, n, k, regime):
+    """Tokens on a log2 axis, the quantity, the case, the methods."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{gpu}: {n}×{k}, {regime}", fontsize=9)
+    ax.legend(fontsize=8)
 
 
 def memory_figure(rows):
@@ -135,10 +140,6 @@ def memory_figure(rows):
             points = sorted(points, key=lambda r: r["tokens"])
             ax.plot([r["tokens"] for r in points], [r["peak_bytes"] / 2**20 for r in points], marker="o", ms=4,
                     label=method)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens per step")
-        ax.set_ylabel("extra device memory during the step (MiB)")
-        ax.set_title(f"{gpu}: {n}×{k}, {regime}", fontsize=9)
-        ax.legend(fontsize=8)
+        _label_panel(ax, "extra device memory during the step (MiB)", gpu, n, k, regime)
     fig.tight_layout()
     return fig
