@@ -255,7 +255,7 @@ def test_deferred_overflow_stops_the_layer_like_the_eager_path(device, surfaces_
             layer(ones).backward(ones)
     assert deferred.value.tiles == eager.value.tiles
     assert str(deferred.value).startswith("fused layer 'ForgeLinear', step 1: ")  # whose step it was
-    if surfaces_at == "next_backward":  # and that the backward it surfaced in took no step of its own
+    if surfaces_at == "next backward":  # and that the backward it surfaced in took no step of its own
         assert "checked at this layer's next backward, which took no step" in str(deferred.value)
     assert_bitwise_equal(layer.weight.detach(), layers["raise"].weight.detach(), "weight")  # nothing more ran
     assert layer._failed_step == 1 and int(layer.forge_step) == 0
