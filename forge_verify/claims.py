@@ -57,6 +57,20 @@ def tiling_invariant(problem, rule, config_a, config_b, device, *, regime=FP32):
     _assert_same_update(a, b, rule, f"{config_a} vs {config_b} [{rule!r}; {problem.describe()}; {regime.describe()}]")
 
 
+def enclosed_run(inputs, rule, config, regime, backend):
+    """The kernel's run on ``inputs`` and, alongside it, the float64 reference and the
+    enclosure of the exact steps: (weight, state as stored, reference weight, reference
+    state, enclosure of the weight, enclosures of the state slots), the last four after
+    the last step."""
+    weight, state = run_rule(inputs, rule, config=config, regime=regime)
+    w0 = inputs.weight.detach().cpu()
+    s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
+    w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
+    for step, x, dy, w_enc, s_enc in enclosure_trajectory(rule, regime, backend, inputs):
+        w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
+    return weight, state, w_ref, s_ref, w_enc, s_enc
+
+
 def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> float:
     """The fused result lies inside the rigorous enclosure of the exact step
     (proofs/reference_enclosure.md): fp32 arithmetic, plus one rounding per bf16 store
@@ -67,13 +81,8 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     and the float64 reference rounded to that dtype.
     """
     inputs = make_inputs(problem, device, regime)
-    weight, state = run_rule(inputs, rule, config=config, regime=regime)
+    weight, state, w_ref, s_ref, w_enc, s_enc = enclosed_run(inputs, rule, config, regime, backend)
     state = decoded_state(rule, state)
-    w0 = inputs.weight.detach().cpu()
-    s0 = decoded_state(rule, rule.init_state(w0, state_format=regime.state_format))
-    w_ref, s_ref = POINT.value(w0), {k: POINT.value(v) for k, v in s0.items()}
-    for step, x, dy, w_enc, s_enc in enclosure_trajectory(rule, regime, backend, inputs):
-        w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
     what = f"[{rule!r}; {problem.describe()}; {config}]"
     _assert_inside(w_enc, weight, f"kernel weight {what}")
     _assert_inside(w_enc, w_ref, f"float64 reference weight {what}")

@@ -114,14 +114,16 @@ def format_rows(rows) -> str:
 
 
 def deviation_table(rule, problem: Problem, checkpoints=(1, 10, 100), regimes=REGIMES,
-                    device=None) -> list:
-    """Rows of :class:`Deviation` for every regime, method and checkpoint."""
+                    device=None, exact_at=None) -> list:
+    """Rows of :class:`Deviation` for every regime, method and checkpoint. The exact
+    trajectories ({step: float64 weight}, one per weight dtype) go into ``exact_at`` when
+    a dict is given, for a caller that needs them too."""
     device = fk.kernel_device() if device is None else device
     steps = max(checkpoints)
     problem = dataclasses.replace(problem, steps=steps)
     base = make_inputs(problem, device)
     rows = []
-    exact_at = {}
+    exact_at = {} if exact_at is None else exact_at
     for name, regime in regimes.items():
         w0 = base.weight.to(regime.weight)
         if regime.weight not in exact_at:

@@ -32,10 +32,6 @@ class Case:
     problem: Problem
 
     @property
-    def low_precision(self) -> bool:
-        return self.regime.rounds
-
-    @property
     def key(self) -> str:
         """A stable, readable identifier: rule | regime | shape."""
         p = self.problem

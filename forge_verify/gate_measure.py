@@ -25,11 +25,10 @@ import hashlib
 import torch
 
 from .bits import int_view, ordered_bits, ulp_distance
-from .claims import decoded_state, enclosure_trajectory
+from .claims import decoded_state, enclosed_run
 from .deviation import exact_trajectory, measure_deviation
 from .gate_cases import CONFIG
-from .problems import make_inputs, run_rule
-from .reference import POINT, reference_step, weight_grad
+from .problems import make_inputs
 
 #: statistic -> proven upper bound (statistics not listed have none)
 PROVEN_BOUNDS = {"outside_enclosure": 0, "enclosure_use": 1.0, "exact_outside_enclosure": 0}
@@ -60,32 +59,37 @@ def _enclosure_statistics(enclosures: dict, values: dict) -> dict:
     return {"outside_enclosure": outside, "enclosure_use": use}
 
 
-def measure(case, device, backend: str, exact_cache: dict) -> dict:
-    """Run ``case`` and return {"fingerprints": ..., "statistics": ...}.
-
-    ``exact_cache`` keeps exact trajectories between cases that share a rule, start and
-    inputs (they cost the most)."""
+def enclosure_measure(case, device, backend: str) -> tuple:
+    """Run ``case`` against its enclosure: (inputs, weight, enclosure of the weight,
+    {"fingerprints": ..., "statistics": ...}) with the statistics that need no exact
+    trajectory."""
     rule, regime = case.rule, case.regime
     inputs = make_inputs(case.problem, device, regime)
-    weight, state = run_rule(inputs, rule, config=CONFIG, regime=regime)
+    weight, state, w_ref, _, w_enc, s_enc = enclosed_run(inputs, rule, CONFIG, regime, backend)
     fingerprints = {"weight": fingerprint(weight), **{k: fingerprint(state[k]) for k in sorted(state)}}
-
-    w0 = inputs.weight.detach().cpu()
-    w_ref = POINT.value(w0)
-    s_ref = {k: POINT.value(v) for k, v in decoded_state(rule, rule.init_state(w0, regime.state_format)).items()}
-    for step, x, dy, w_enc, s_enc in enclosure_trajectory(rule, regime, backend, inputs):
-        w_ref, s_ref = reference_step(rule, w_ref, weight_grad(x, dy), s_ref, step, POINT)
     values = {"weight": weight, **decoded_state(rule, state)}
     statistics = _enclosure_statistics({"weight": w_enc, **s_enc}, values)
     statistics["reference_max_ulp"] = float(ulp_distance(weight.detach().cpu(), w_ref.to(weight.dtype)).max())
-    if case.low_precision:
-        key = (case.rule_name, repr(rule), case.problem, str(w0.dtype))
+    return inputs, weight, w_enc, {"fingerprints": fingerprints, "statistics": statistics}
+
+
+def measure(case, device, backend: str, exact_cache: dict) -> dict:
+    """Run ``case`` and return {"fingerprints": ..., "statistics": ...}: the enclosure's
+    statistics and, where the regime rounds, the drift from the exact trajectory.
+
+    ``exact_cache`` keeps exact trajectories between cases that share a rule, start and
+    inputs (they cost the most)."""
+    inputs, weight, w_enc, result = enclosure_measure(case, device, backend)
+    if case.regime.rounds:
+        w0 = inputs.weight.detach().cpu()
+        key = (case.rule_name, repr(case.rule), case.problem, str(w0.dtype))
         if key not in exact_cache:
-            exact_cache[key] = exact_trajectory(rule, w0, inputs.batches, (case.problem.steps,))[case.problem.steps]
+            exact_cache[key] = exact_trajectory(case.rule, w0, inputs.batches,
+                                                (case.problem.steps,))[case.problem.steps]
         exact = exact_cache[key]
         row = measure_deviation(case.regime_name, "forge", case.problem.steps, weight, exact,
                                 w0.double().numpy(), w0.dtype)
-        statistics.update(exact_max_ulp=row.max_ulp, exact_bias_ulp=row.bias_ulp, exact_spread_ulp=row.spread_ulp,
-                          exact_relative_rms=row.relative_rms,
-                          exact_outside_enclosure=int((~w_enc.contains(torch.from_numpy(exact))).sum()))
-    return {"fingerprints": fingerprints, "statistics": statistics}
+        result["statistics"].update(exact_max_ulp=row.max_ulp, exact_bias_ulp=row.bias_ulp,
+                                    exact_spread_ulp=row.spread_ulp, exact_relative_rms=row.relative_rms,
+                                    exact_outside_enclosure=int((~w_enc.contains(torch.from_numpy(exact))).sum()))
+    return result

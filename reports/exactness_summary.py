@@ -46,7 +46,7 @@ import forge_kernels as fk
 from forge_verify import claims
 from forge_verify.deviation import REGIMES
 from forge_verify.gate_cases import CONFIG, RULES, Case
-from forge_verify.gate_measure import measure
+from forge_verify.gate_measure import enclosure_measure
 from forge_verify.notebook import say, show, show_table
 from forge_verify.problems import Problem
 
@@ -73,7 +73,6 @@ say(f"Mode **{MODE}**; kernels {where}; "
 
 # %%
 verdicts, use = {}, np.zeros((len(RULES), len(REGIMES)))
-exact_cache = {}  # exact trajectories, shared by the regimes that start from the same weight
 for i, (rule_name, rule) in enumerate(RULES.items()):
     for j, (regime_name, regime) in enumerate(REGIMES.items()):
         exact = inside = True
@@ -86,7 +85,7 @@ for i, (rule_name, rule) in enumerate(RULES.items()):
                 except AssertionError:
                     exact = False
                 case = Case(rule_name, rule, regime_name, regime, problem)
-                stats = measure(case, DEVICE, BACKEND, exact_cache)["statistics"]
+                stats = enclosure_measure(case, DEVICE, BACKEND)[3]["statistics"]
                 inside &= stats["outside_enclosure"] == 0
                 use[i, j] = max(use[i, j], stats["enclosure_use"])
         verdicts[rule_name, regime_name] = "exact" if exact and inside else "bound" if inside else "FAILED"
