@@ -292,23 +292,41 @@ class ForgeLinear(nn.Linear):
                 "a checkpoint, or call forge_accept_partial_step() to go on from here")
         step, seed = self._counters()
         step += 1
+        # "raise" reads the outcome once, in the call (no pinned copy, no event); "defer"
+        # keeps the report for forge_check.
         options = dict(config=self.config, rounding=self.rounding, seed=seed, grad_scale=grad_scale,
-                       weight_slice=self.weight_slice, report="defer")
-        with torch.no_grad():
-            weight = local_weight(self.weight.data)
-            if grad is None:
-                outcome = fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
-                                              oracle=self.oracle, **options)
-            else:
-                outcome = apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
+                       weight_slice=self.weight_slice, report=report)
+        weight = local_weight(self.weight.data)
+        try:
+            with torch.no_grad():
+                if grad is None:
+                    outcome = fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
+                                                  oracle=self.oracle, **options)
+                else:
+                    outcome = apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
+        except FloatingPointError as error:  # "raise": the kernels ran and found non-finite values
+            self._bump_versions(weight)
+            self._failed(error, step)
+            raise
+        self._bump_versions(weight)
+        if report == "defer":
+            self._unchecked = (outcome, step, advance)
+        elif advance:
+            self._set_step(step)
+
+    def _bump_versions(self, weight):
         # The kernel writes the weight's memory directly; bump its version so autograd
         # refuses any graph that saved the old values.
         torch.autograd.graph.increment_version(self.weight)
         if is_dtensor(self.weight):
             torch.autograd.graph.increment_version(weight)
-        self._unchecked = (outcome, step, advance)
-        if report == "raise":
-            self.forge_check()
+
+    def _failed(self, error, step):
+        """Record what a non-finite outcome of ``step`` means for the layer (failed tiles
+        stop it; bad inputs wrote nothing) and name the layer and step in the error."""
+        if isinstance(error, NonFiniteUpdateError):
+            self._failed_step = step
+        _reword(error, f"fused layer {self.forge_name!r}, step {step}: ", "")
 
     def forge_check(self):
         """Check the layer's deferred step, if it has one (``report="defer"``); raise its
@@ -323,9 +341,7 @@ class ForgeLinear(nn.Linear):
         try:
             outcome.check()
         except FloatingPointError as error:
-            if isinstance(error, NonFiniteUpdateError):
-                self._failed_step = step
-            _reword(error, f"fused layer {self.forge_name!r}, step {step}: ", "")
+            self._failed(error, step)
             raise
         if advance:
             self._set_step(step)
