@@ -29,6 +29,13 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def is_finite(v):
+    """fp32 ``v`` is neither NaN nor infinite: |v| <= FP32_MAX is false for NaN and for
+    both infinities."""
+    return tl.abs(v) <= FP32_MAX
+
+
+@triton.jit
 def _count_non_finite_tile(ptr, tile, rows, cols, stride_r, stride_c,
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Non-finite elements in tile number ``tile`` (row-major over the tile grid)."""
@@ -36,12 +43,11 @@ def _count_non_finite_tile(ptr, tile, rows, cols, stride_r, stride_c,
     offs_r = (tile // tiles_per_row) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = (tile % tiles_per_row) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r < rows)[:, None] & (offs_c < cols)[None, :]
-    # bf16 upcasts exactly (NaN and infinities included); |v| <= FP32_MAX is false for
-    # NaN and for both infinities.
+    # bf16 upcasts exactly, NaN and infinities included.
     # int32 offsets suffice: the launchers refuse tensors whose strides reach past 2**31 - 1
     # elements (validation.MAX_ELEMENTS), as the update kernels index the same way.
     v = tl.load(ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0)
-    finite = tl.abs(v.to(tl.float32)) <= FP32_MAX
+    finite = is_finite(v.to(tl.float32))
     return tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
 
 

@@ -17,7 +17,7 @@ from ..config import PINNED, TileConfig
 from ..rules.base import NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
-from .finite_check import BAD_TILES, FP32_MAX, STATUS_WORDS, launch_finite_check
+from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
 from .stochastic_round import check_seed, rn_bf16, sr_bf16_with, stream_seed
 from .update_report import UpdateReport
 from ..weight_slice import WeightSlice
@@ -26,11 +26,6 @@ from .weight_gradient import _weight_grad_tile, launch_weight_gradient
 
 # Constexpr globals: the only kind a compiled kernel may read.
 _BAD_TILES = tl.constexpr(BAD_TILES)
-
-
-@triton.jit
-def _is_finite(v):
-    return tl.abs(v) <= FP32_MAX
 
 
 @triton.jit
@@ -60,7 +55,7 @@ def _load_slot(s_ptr, e_ptr, table_ptr, idx, eidx, mask, zeros,
 
 @triton.jit
 def _slot_is_storable(v, Q8: tl.constexpr):
-    ok = _is_finite(v)
+    ok = is_finite(v)
     if Q8:
         # The largest q8 block exponent is 126: a larger value would be clamped, not stored.
         ok = ok & (tl.abs(v) < Q8_LARGEST_EXPONENT_VALUE)
@@ -137,7 +132,7 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     if STOCHASTIC and (W_BF16 or S_BF16 or S_Q8):
         r0, r1, r2, r3 = tl.randint4x(seed, counter)
     w = _to_storage(w, r0, W_BF16, STOCHASTIC)
-    finite = _is_finite(g) & _is_finite(w.to(tl.float32))
+    finite = is_finite(g) & is_finite(w.to(tl.float32))
     if not S_Q8:
         s0 = _to_storage(s0, r1, S_BF16, STOCHASTIC)
         s1 = _to_storage(s1, r2, S_BF16, STOCHASTIC)
@@ -286,11 +281,13 @@ class _Epilogue:
         assert len(layout) == NUM_SLOTS
         state_format = rule.state_format(state)
         q8_state = state_format == "q8"
-        weight_slice = WeightSlice.whole(weight.shape) if weight_slice is None else weight_slice
-        if not isinstance(weight_slice, WeightSlice):
-            raise TypeError(f"weight_slice must be a forge_kernels.WeightSlice, got {type(weight_slice).__name__}")
-        weight_slice.check_fits(weight.shape, q8_state)
-        self.place = (weight_slice.row_start, weight_slice.col_start, weight_slice.global_shape[1])
+        if weight_slice is None:  # the whole weight: its own place, nothing to check
+            self.place = (0, 0, weight.shape[1])
+        else:
+            if not isinstance(weight_slice, WeightSlice):
+                raise TypeError(f"weight_slice must be a forge_kernels.WeightSlice, got {type(weight_slice).__name__}")
+            weight_slice.check_fits(weight.shape, q8_state)
+            self.place = (weight_slice.row_start, weight_slice.col_start, weight_slice.global_shape[1])
         if q8_state and self.config.block_k // self.config.epilogue_split < q8.BLOCK:
             raise ValueError(f"q8 state needs block_k / epilogue_split >= {q8.BLOCK} (a tile must hold whole q8 "
                              f"blocks); config has block_k={self.config.block_k}, "
