@@ -10,11 +10,17 @@ across ranks (data or context parallelism) would give each rank a partial sum: t
 are refused (forge_kernels.token_split holds the alternatives).
 """
 
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .weight_slice import WeightSlice, chunk_bounds
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 TOKEN_SPLIT_HELP = (
     "FORGE applies the optimizer rule to the gradient summed over every token of the step, inside one "
@@ -27,7 +33,11 @@ TOKEN_SPLIT_HELP = (
 
 
 def is_dtensor(t) -> bool:
-    return isinstance(t, DTensor)
+    # Importing torch.distributed.tensor takes about half a second, and every fused layer
+    # asks this on every call: a tensor can be a DTensor only once that module is loaded,
+    # so the DTensor names are imported where a DTensor is already in hand.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _placement(t: DTensor):
@@ -38,6 +48,7 @@ def _placement(t: DTensor):
 
 def _sharded_dim(weight: DTensor):
     """0 (rows: colwise), 1 (columns: rowwise) or None (replicated)."""
+    from torch.distributed.tensor import Replicate, Shard
     placement = _placement(weight)
     if isinstance(placement, Shard):
         return placement.dim % 2
@@ -48,7 +59,8 @@ def _sharded_dim(weight: DTensor):
 
 def check_input_layout(weight: DTensor, x) -> None:
     """Refuse an input the fused step cannot handle: not a DTensor, or split on its tokens."""
-    if not isinstance(x, DTensor):
+    from torch.distributed.tensor import Shard
+    if not is_dtensor(x):
         raise TypeError("a fused layer with a DTensor weight takes a DTensor input (parallelize_module's input "
                         f"hooks make one); got {type(x).__name__}")
     _sharded_dim(weight)
@@ -60,13 +72,14 @@ def check_input_layout(weight: DTensor, x) -> None:
 
 def local_weight(weight) -> torch.Tensor:
     """The tensor the kernel updates in place: the weight itself, or its local shard."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
+    return weight.to_local() if is_dtensor(weight) else weight
 
 
 def local_operands(weight: DTensor, x: DTensor, dy: DTensor):
     """(x, dy) as local (T, K_local) and (T, N_local) tensors such that this rank's slice
     of dW is dyᵀx summed over all T tokens: x whole and dy on this rank's rows
     (colwise), x on this rank's columns and dy whole (rowwise), both whole (replicated)."""
+    from torch.distributed.tensor import Replicate, Shard
     x_placement, dy_placement = {0: (Replicate(), Shard(1)), 1: (Shard(1), Replicate()),
                                  None: (Replicate(), Replicate())}[_sharded_dim(weight)]
     return (_waited(x.redistribute(placements=[x_placement]).to_local()),
@@ -76,6 +89,7 @@ def local_operands(weight: DTensor, x: DTensor, dy: DTensor):
 def _waited(t: torch.Tensor) -> torch.Tensor:
     # parallelize_module's layout hooks redistribute asynchronously; the kernel reads
     # raw memory, so the collective must have finished.
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
