@@ -204,8 +204,11 @@ def test_accumulation_without_a_state_to_add_into_is_refused(rule, device):
 def test_clipping_with_fused_accumulation_is_refused(device):
     model = fk.fuse(_gpt(device), fk.SGD(lr=0.1, momentum=0.9))
     trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), max_norm=1.0)
+    weights = [layer.weight.detach().clone() for layer in fk.fused_layers(model)]
     with pytest.raises(ValueError, match="no clipping"):
         trainer.step(_closures(model, device, 0, micro_batches=2))
+    for layer, before in zip(fk.fused_layers(model), weights):  # nothing stepped
+        assert torch.equal(layer.weight, before) and int(layer.forge_step) == 0
 
 
 @pytest.mark.parametrize("gradients", fk.training.GRADIENTS)
