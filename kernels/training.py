@@ -232,6 +232,8 @@ class Trainer:
         if not closures or not all(callable(c) for c in closures):
             raise TypeError("step takes a callable returning the loss, or a non-empty list of them")
         self._sync_learning_rates()
+        if self.gradients == "fused" and len(closures) > 1:
+            self._check_accumulates_in_state()
         try:
             if self.gradients == "materialized":
                 losses = self._materialized_step(closures)
@@ -256,7 +258,7 @@ class Trainer:
 
     def _run(self, closures, backward_for):
         """Forward and backward every micro-batch, with ``backward_for(index)`` as the fused
-        layers' backward action (None: the plain fused step)."""
+        layers' backward action."""
         losses = []
         try:
             for index, closure in enumerate(closures):
@@ -274,7 +276,6 @@ class Trainer:
     def _fused_step(self, closures):
         if len(closures) == 1:
             return self._run(closures, lambda index: _deferred_step)
-        self._check_accumulates_in_state()
         last = len(closures) - 1
         phases = {}
         for rule in self.rules:
@@ -301,8 +302,6 @@ class Trainer:
                     "4 bytes per fused parameter), or one larger micro-batch per step")
 
     def _clipped_fused_step(self, closures):
-        if len(closures) > 1:
-            self._check_accumulates_in_state()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         norms = {}
@@ -339,8 +338,6 @@ class Trainer:
         previous step's global norm (the current one is known only after every layer has
         stepped). Each layer's gradient is materialized, one layer at a time, for its norm
         and the step is taken from it (the bits the fused kernel would give)."""
-        if len(closures) > 1:
-            self._check_accumulates_in_state()
         scale = clip_coefficient(self.max_norm, self.last_norm)
         scale_value = float(scale)
         norms = {}

@@ -154,6 +154,17 @@ def test_bad_config_and_rule_are_refused(good):
         _call(x, dy, w, rule.init_state(w, "q8"), rule, config=fk.TileConfig(block_k=64, epilogue_split=4))
 
 
+@pytest.mark.parametrize("grad_scale, error, message", [
+    (-0.5, ValueError, "grad_scale=-0.5 is outside"), (float("nan"), ValueError, "grad_scale=nan"),
+    (True, TypeError, "grad_scale must be a real number"), (0.1, ValueError, "not a float32 value")])
+def test_bad_grad_scale_is_refused_before_anything_is_written(good, grad_scale, error, message):
+    x, dy, w, state, rule = good
+    before = w.clone()
+    with pytest.raises(error, match=message):
+        _call(x, dy, w, state, rule, grad_scale=grad_scale)
+    assert torch.equal(w, before)
+
+
 def test_maxnreg_is_passed_as_a_launch_option():
     """A register cap goes to the launch (the compiler's option), and only when set;
     that it changes no bit is tests/test_epilogue_split.py's."""

@@ -1,14 +1,12 @@
 """Checks the launchers run before touching memory: every bad input gets an error
 that names what was wrong."""
 
-import math
-from numbers import Real
-
 import numpy as np
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from .._backend import interpreting, kernel_device
+from ..rules.base import check_real
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 STORAGE_DTYPES = (torch.float32, torch.bfloat16)
@@ -127,11 +125,7 @@ def check_gradient(grad, weight):
 def check_grad_scale(grad_scale) -> float:
     """A gradient scale: finite, >= 0, and a float32 value (the kernel multiplies in
     float32; a value that rounded on the way in would not be the multiply the caller meant)."""
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, Real):
-        raise TypeError(f"grad_scale must be a real number, got {type(grad_scale).__name__}")
-    grad_scale = float(grad_scale)
-    if not math.isfinite(grad_scale) or grad_scale < 0:
-        raise ValueError(f"grad_scale={grad_scale!r} must be finite and >= 0")
+    grad_scale = check_real("grad_scale", grad_scale, low=0.0)
     if float(np.float32(grad_scale)) != grad_scale:
         raise ValueError(f"grad_scale={grad_scale!r} is not a float32 value; round it to float32 first "
                          "(e.g. float(torch.tensor(scale, dtype=torch.float32)))")
