@@ -86,7 +86,7 @@ def variant(name, method, layers, tokens, configs):
         config = tuned_config(configs, regime, tokens) if configs else fk.PINNED
         fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format="bf16" if name == "bf16" else "fp32",
                 config=config, seed=1, report="defer" if deferred else "raise")
-        others = [p for n, p in model.named_parameters() if "norm" in n]
+        others = fk.unfused_parameters(model)
     else:
         others = list(model.parameters())
     optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True)
