@@ -27,3 +27,20 @@ def freedman_radius(variance_bound: float, increment_bound: float, false_alarm: 
     log_term = math.log(2 / false_alarm)
     linear = 2 * log_term * increment_bound / 3
     return (linear + math.sqrt(linear**2 + 8 * log_term * variance_bound)) / 2
+
+
+# The fp32 additions' own rounding in the stagnation experiment, up to 1,000 additions
+# of 1e-3 to values below 4: 1000 · 2**-23 plus 1e-3's rounding to fp32, 1000 times,
+# under 2e-4 (proofs/stochastic_rounding.md, "Stagnation").
+STAGNATION_ADDITION_SLACK = 2e-4
+
+
+def stagnation_radius(additions: int, chains: int, false_alarm: float) -> float:
+    """Threshold for |mean - exact| after ``additions`` (at most 1,000) additions of 1e-3,
+    each stored to bf16 by stochastic rounding, averaged over ``chains`` chains below 4:
+    each addition moves a chain by less than one bf16 ulp there (2**-6) from its
+    expectation, so the mean is a martingale with differences at most 2**-6 / chains
+    (Azuma), plus the fp32 additions' rounding."""
+    if not 0 <= additions <= 1000:
+        raise ValueError("the addition slack is derived for at most 1,000 additions")
+    return azuma_radius(additions * chains * (2.0**-6 / chains) ** 2, false_alarm) + STAGNATION_ADDITION_SLACK

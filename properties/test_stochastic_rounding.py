@@ -20,7 +20,7 @@ import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import rn_bf16
 from forge_verify.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
 from forge_verify.philox import stochastic_round_reference
-from forge_verify.stats import azuma_radius, hoeffding_radius
+from forge_verify.stats import hoeffding_radius, stagnation_radius
 
 
 @pytest.mark.exactness
@@ -89,7 +89,7 @@ def test_no_stagnation(device):
         stochastic = fk.stochastic_round(stochastic.float() + 1e-3, seed=1234, offset=step * chains)
     assert torch.all(nearest == 1.0)
     mean = stochastic.float().mean().item()
-    radius = azuma_radius(steps * chains * (2.0**-6 / chains) ** 2, 1e-9) + 2e-4
+    radius = stagnation_radius(steps, chains, 1e-9)
     assert abs(mean - 2.0) <= radius, (mean, radius)
 
 

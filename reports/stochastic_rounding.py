@@ -33,7 +33,7 @@ import torch
 import forge_kernels as fk
 from forge_verify.bits import bf16_bits, fp32_from_bits
 from forge_verify.notebook import say, show, show_table
-from forge_verify.stats import azuma_radius, hoeffding_radius
+from forge_verify.stats import hoeffding_radius, stagnation_radius
 
 SETTINGS = {
     "fast": dict(values=32, samples=2**12, chains=512, additions=1000, pairs=2**14, lags=16),
@@ -103,7 +103,7 @@ for step in range(additions):
     nearest_mean.append(nearest.float().mean().item())
     stochastic_mean.append(stochastic.float().mean().item())
 k = np.arange(additions + 1)
-band = np.array([azuma_radius(max(s, 1) * chains * (2.0**-6 / chains) ** 2, FALSE_ALARM) + 2e-4 for s in k])
+band = np.array([stagnation_radius(max(s, 1), chains, FALSE_ALARM) for s in k])
 
 fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.2))
 ax.plot(k, 1 + k * 1e-3, color="black", lw=1, label="exact: 1 + k · 0.001")
