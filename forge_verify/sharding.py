@@ -22,7 +22,7 @@ from forge_kernels.ops.stochastic_round import stream_seed
 from forge_kernels.parallel_linear import ColumnParallelForgeLinear, RowParallelForgeLinear
 from forge_kernels.tensor_parallel import local_weight
 
-from .bits import assert_bitwise_equal
+from .bits import assert_bitwise_equal, first_difference
 from .problems import FP32, Problem, Regime, make_inputs
 
 #: how the layer is sharded: weight rows (column-parallel) or columns (row-parallel),
@@ -53,10 +53,13 @@ def device() -> torch.device:
 
 
 def chunk(size: int, world: int, rank: int) -> slice:
-    """Rank ``rank``'s part of ``size`` as torch.chunk (and DTensor's Shard) splits it."""
-    step = -(-size // world)
-    start = min(rank * step, size)
-    return slice(start, min(start + step, size))
+    """Rank ``rank``'s part of ``size`` as torch.chunk (and DTensor's Shard) splits it,
+    taken from torch.chunk itself: the expected slice must not come from the library's
+    own arithmetic (``weight_slice.chunk_bounds``), which it checks."""
+    parts = torch.arange(size).chunk(world) if size else ()
+    if rank >= len(parts):  # torch.chunk gives fewer parts than ranks when size is small
+        return slice(size, size)
+    return slice(int(parts[rank][0]), int(parts[rank][-1]) + 1)
 
 
 def _linear(weight):
@@ -94,8 +97,7 @@ def _sharded_layer(case: LayerCase, engine, layout, rule, weight, layer_seed):
         module = parallel(_linear(weight), rule, sequence_parallel=sequence_parallel, **options)
     else:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    rows = chunk(weight.shape[0], world, rank) if column else slice(None)
-    cols = slice(None) if column else chunk(weight.shape[1], world, rank)
+    rows, cols = _shard_slices(weight.shape, column, world, rank)
 
     def operands(x, dy):
         tokens = chunk(x.shape[0], world, rank)
@@ -178,6 +180,14 @@ def shape_keyed_config(rows: int, cols: int) -> fk.TileConfig:
     return fk.TileConfig(block_t=64 if rows * cols >= 1024 else 16)
 
 
+def _shard_slices(shape, column: bool, world: int, rank: int):
+    """(rows, cols) of this rank's shard of a weight: its chunk of rows (column-parallel)
+    or of columns (row-parallel)."""
+    if column:
+        return chunk(shape[0], world, rank), slice(None)
+    return slice(None), chunk(shape[1], world, rank)
+
+
 def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
     """Job: does a column- or row-parallel shard stepped with ``shape_keyed_config`` of
     its own (local) shape differ from the slice of the whole weight stepped with the
@@ -186,8 +196,7 @@ def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
     weight, batches = inputs.weight, inputs.batches
     whole = fk.ForgeLinear.from_linear(_linear(weight), rule, config=shape_keyed_config(*weight.shape))
     world, rank = dist.get_world_size(), dist.get_rank()
-    rows = chunk(weight.shape[0], world, rank) if layout == "column" else slice(None)
-    cols = slice(None) if layout == "column" else chunk(weight.shape[1], world, rank)
+    rows, cols = _shard_slices(weight.shape, layout == "column", world, rank)
     local_shape = weight[rows, cols].shape
     parallel = ColumnParallelForgeLinear if layout == "column" else RowParallelForgeLinear
     module = parallel(_linear(weight), rule, config=shape_keyed_config(*local_shape))
@@ -195,4 +204,4 @@ def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
         whole(x).backward(dy)
         module(x[:, cols].contiguous()).backward(dy[:, rows].contiguous())
     expected, local = _snapshot(whole)["weight"][rows, cols], _snapshot(module.linear)["weight"]
-    return not torch.equal(local.view(torch.int32), expected.contiguous().view(torch.int32))
+    return first_difference(local, expected) is not None
