@@ -34,13 +34,24 @@ def philox_randint(seed: int, counter: np.ndarray, rounds: int = 10) -> np.ndarr
     return philox_words(seed, counter, rounds)[0]
 
 
-def stochastic_round_reference(x: torch.Tensor, seed: int, offset: int = 0, word: int = 0) -> torch.Tensor:
+def stochastic_round_reference(x: torch.Tensor, seed: int, offset: int = 0, word: int = 0,
+                               pairs: bool = False) -> torch.Tensor:
     """What ``forge_kernels.stochastic_round`` must return, bit for bit; with ``word=j``,
-    the rounding that draws Philox output word j instead of word 0 (the fused update
-    rounds its weight with word 0 and state slot i with word 1 + i)."""
+    the rounding that draws Philox output word j instead of word 0. ``pairs=True`` is the
+    fused update's bf16 draw (``forge_kernels.ops.stochastic_round.paired_words``) for a
+    whole 2-D weight ``x`` (N, K): element (r, c) takes 16 bits of word j of the call at
+    counter ``r * ceil(K / 2) + c // 2``, the low half for even c, the high half for odd
+    c (the update rounds its weight with word 0 and state slot i with word 1 + i)."""
     bits = x.detach().cpu().contiguous().numpy().view(np.uint32).ravel().astype(np.uint64)
-    counter = (np.arange(bits.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32)
-    noise = (philox_words(seed, counter)[word] & np.uint32(0xFFFF)).astype(np.uint64)
+    if pairs:
+        rows, cols = x.shape
+        r, c = np.divmod(np.arange(bits.size, dtype=np.uint64), np.uint64(cols))
+        counter = (r * np.uint64((cols + 1) // 2) + c // np.uint64(2) + np.uint64(offset)).astype(np.uint32)
+        shift = ((c % np.uint64(2)) * np.uint64(16)).astype(np.uint32)
+        noise = ((philox_words(seed, counter)[word] >> shift) & np.uint32(0xFFFF)).astype(np.uint64)
+    else:
+        counter = (np.arange(bits.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32)
+        noise = (philox_words(seed, counter)[word] & np.uint32(0xFFFF)).astype(np.uint64)
     rounded = ((bits + noise) & np.uint64(0xFFFF0000)).astype(np.uint32)
     is_nan = np.isnan(x.detach().cpu().contiguous().numpy().ravel())
     quiet_nan = (bits.astype(np.uint32) & np.uint32(0x80000000)) | np.uint32(0x7FC00000)

@@ -21,24 +21,28 @@ def _problem(device, n=20, k=36, t=24, seed=0):
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("step", [1, 2, 7])
-def test_fused_bf16_stores_are_the_philox_rounding_of_the_fp32_step(step, device):
+@pytest.mark.parametrize("step, k", [(1, 36), (2, 37), (7, 36)])
+def test_fused_bf16_stores_are_the_philox_rounding_of_the_fp32_step(step, k, device):
     """A bf16-weight, bf16-state AdamW step stores, bit for bit, stochastic_round of the fp32
-    step taken from the same values: one Philox call per element, keyed on the step's
-    stream seed with the element's index as counter; its word 0 rounds the weight, word
-    1 + p the state slot at position p."""
-    x, dy, w = _problem(device)
+    step taken from the same values: one Philox call per pair of neighbouring columns,
+    keyed on the step's stream seed with the pair's index as counter; 16 bits of its word
+    0 (low half for the even column, high half for the odd) round the weight, of word
+    1 + p the state slot at position p. K = 36 and 37 (odd: a row's last column is
+    alone in its pair), and a 16-column tile, so pairs meet tile edges."""
+    x, dy, w = _problem(device, k=k)
     rule, seed = fk.AdamW(lr=1e-2), 1234
+    config = fk.TileConfig(block_n=16, block_k=16, block_t=16)
     w16 = w.bfloat16().to(device)
     state16 = {k: (torch.rand(w.shape) * (k == "exp_avg_sq") + torch.randn(w.shape) * (k == "exp_avg"))
                .bfloat16().to(device) for k in rule.slots}
     w32, state32 = w16.float(), {k: v.float() for k, v in state16.items()}
-    fk.fused_weight_update(x, dy, w16, state16, rule, step, seed=seed)
-    fk.fused_weight_update(x, dy, w32, state32, rule, step)
-    assert_bitwise_equal(w16.cpu(), stochastic_round_reference(w32.cpu(), stream_seed(seed, step), word=0), "weight")
+    fk.fused_weight_update(x, dy, w16, state16, rule, step, seed=seed, config=config)
+    fk.fused_weight_update(x, dy, w32, state32, rule, step, config=config)
+    key = stream_seed(seed, step)
+    assert_bitwise_equal(w16.cpu(), stochastic_round_reference(w32.cpu(), key, word=0, pairs=True), "weight")
     for position, slot in enumerate(rule.slot_layout):
         if slot is not None:
-            expected = stochastic_round_reference(state32[slot].cpu(), stream_seed(seed, step), word=1 + position)
+            expected = stochastic_round_reference(state32[slot].cpu(), key, word=1 + position, pairs=True)
             assert_bitwise_equal(state16[slot].cpu(), expected, slot)
 
 

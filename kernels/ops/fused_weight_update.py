@@ -18,7 +18,7 @@ from ..rules.base import NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
-from .stochastic_round import check_seed, rn_bf16, sr_bf16_with, stream_seed
+from .stochastic_round import check_seed, paired_words, rn_bf16, sr_bf16_with, stream_seed
 from .update_report import UpdateReport
 from ..weight_slice import WeightSlice
 from .validation import check_grad_scale, check_gradient, check_update_inputs, check_weight_and_state
@@ -86,16 +86,19 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                    W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
-                   NONNEGATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """Apply RULE to one tile in fp32, convert to the storage formats, and store, unless
     anything in the tile is non-finite.
 
     bf16 stores and q8 codes round stochastically or to nearest. Stochastic rounding
-    draws one Philox4x32-10 call per element, keyed on the step's ``seed`` with the
-    element's index in the global weight as counter (row ``row0 + n``, column
-    ``col0 + k`` of a weight with ``global_k`` columns): its word 0 rounds the weight,
-    word 1 + i state slot i. One call serves all four outputs; on an H200 the Philox
-    rounds, not memory, bounded the bf16 epilogue when each output drew its own. q8
+    draws Philox4x32-10 keyed on the step's ``seed`` at the element's place in the global
+    weight (row ``row0 + n``, column ``col0 + k`` of a weight with ``global_k`` columns).
+    bf16 stores need 16 random bits each: one call serves a pair of neighbouring columns
+    (``paired_words``), 16 bits of its word 0 rounding the weight and of word 1 + i state
+    slot i, for both elements. q8 codes need 24 bits: one call per element (counter: the
+    element's index in the global weight), its word 0 rounding the weight, word 1 + i
+    coding slot i. On an H200 the Philox rounds, not memory, bounded the bf16 epilogue. q8
     state is decoded before the rule and re-encoded after it, block by block
     (``forge_kernels.q8``). A tile whose
     gradient, new weight or new state holds a NaN or infinity (or a value too large for
@@ -117,7 +120,8 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     idx = offs_n[:, None] * K + offs_k[None, :]
     eidx = offs_n[:, None] * KB + offs_k[None, :] // Q8_BLOCK
-    # int64: a global weight may hold up to 2**32 elements (all the counters of a stream).
+    # The element's index in the global weight: q8's Philox counter. int64: a global weight
+    # may hold up to 2**32 elements (all the counters of a stream).
     counter = ((offs_n + row0).to(tl.int64)[:, None] * global_k + (offs_k + col0)[None, :]).to(tl.uint32)
     w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     zeros = tl.zeros_like(w)
@@ -125,12 +129,14 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     s1 = _load_slot(s1_ptr, e1_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0)
     s2 = _load_slot(s2_ptr, e2_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0)
     w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
-    r0 = counter
+    r0 = counter  # placeholders: nearest rounding and fp32 stores draw nothing
     r1 = counter
     r2 = counter
     r3 = counter
-    if STOCHASTIC and (W_BF16 or S_BF16 or S_Q8):
+    if STOCHASTIC and S_Q8:
         r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    elif STOCHASTIC and (W_BF16 or S_BF16):
+        r0, r1, r2, r3 = paired_words(seed, offs_n + row0, col0 + k0, global_k, BLOCK_N, BLOCK_K, ALIGNED_PAIRS)
     w = _to_storage(w, r0, W_BF16, STOCHASTIC)
     finite = is_finite(g) & is_finite(w.to(tl.float32))
     if not S_Q8:
@@ -163,7 +169,8 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                    W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
-                   NONNEGATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                   NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr):
     """The rule epilogue of one (BLOCK_N, BLOCK_K) gradient tile, run on SPLIT column
     slices of it in turn (1, 2 or 4; sub-tile j is flagged as tile ``tile_id * SPLIT + j``).
 
@@ -176,7 +183,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
         _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                        offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
                        seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                       BLOCK_N, BLOCK_K)
+                       ALIGNED_PAIRS, BLOCK_N, BLOCK_K)
     else:
         HALF: tl.constexpr = BLOCK_K // 2
         QUARTER: tl.constexpr = BLOCK_K // 4
@@ -188,7 +195,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                 _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
                                tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0, col0, global_k,
                                grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1,
-                               HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, HALF)
+                               HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N, HALF)
             else:
                 first, second = tl.split(tl.permute(tl.reshape(g_half, (BLOCK_N, 2, QUARTER)), (0, 2, 1)))
                 for part in tl.static_range(2):
@@ -197,7 +204,8 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                                    mask_n,
                                    k0 + half * HALF + part * QUARTER, K, KB, row0, col0, global_k, grad_scale,
                                    h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2,
-                                   W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, BLOCK_N, QUARTER)
+                                   W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N,
+                                   QUARTER)
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
@@ -208,7 +216,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
-                                STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr,
+                                STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 SPLIT: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -224,7 +232,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   BLOCK_N, BLOCK_K, SPLIT)
+                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT)
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
@@ -235,7 +243,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
-                       NONNEGATIVE: tl.constexpr,
+                       NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
@@ -250,7 +258,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   BLOCK_N, BLOCK_K, SPLIT)
+                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT)
 
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -276,7 +284,8 @@ class _Epilogue:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         seed = check_seed(seed)
-        self.scalars = rule.scalars(step)
+        # One Philox key per step; its words serve the weight and the state slots.
+        self.scalars, self.seed = rule.scalars(step), stream_seed(seed, step)
         layout = rule.slot_layout
         assert len(layout) == NUM_SLOTS
         state_format = rule.state_format(state)
@@ -302,9 +311,9 @@ class _Epilogue:
             HAS_S0=layout[0] is not None, HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None,
             W_BF16=weight.dtype == torch.bfloat16, S_BF16=state_format == "bf16", S_Q8=q8_state,
             STOCHASTIC=rounding == "stochastic",
+            # Pairs of columns share a Philox call; a slice at an odd column splits them.
+            ALIGNED_PAIRS=self.place[1] % 2 == 0,
             NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
-        # One Philox key per step; its four words per element serve weight, s0, s1, s2.
-        self.seed = stream_seed(seed, step)
         self.shape = tuple(weight.shape)
         N, K = self.shape
         self.blocks_per_row = triton.cdiv(K, q8.BLOCK)
@@ -357,9 +366,10 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     int8 block exponents). The rule always
     computes in fp32; bf16 stores and q8 codes round ``"stochastic"`` (the default) or
     ``"nearest"``; float32 stores are exact and ignore ``rounding``. Stochastic rounding
-    draws Philox bits keyed on (``seed``, ``step``) at the element's index in the weight
-    (one word per output: weight, then each state slot), so the same call gives the same
-    bits and successive steps are independent. A shard of a
+    draws Philox bits keyed on (``seed``, ``step``) at the element's place in the weight
+    (16 bits per bf16 store, one call per pair of neighbouring columns; 24 bits per q8
+    code, one call per element), so the same call gives the same bits and successive
+    steps are independent. A shard of a
     larger weight passes its ``weight_slice`` (:class:`WeightSlice`): elements are then
     keyed on their index in the global weight, so a sharded update rounds exactly as
     the unsharded one; ``None`` means the weight is whole.

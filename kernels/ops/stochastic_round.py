@@ -45,6 +45,40 @@ def sr_bf16_with(x, word):
 
 
 @triton.jit
+def paired_words(seed, rows, c0, global_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """Four random words per element of a (BLOCK_N, BLOCK_K) tile whose rows are the global
+    rows ``rows`` (BLOCK_N,) and whose columns are the global columns ``c0 .. c0 + BLOCK_K - 1``
+    of a weight with ``global_k`` columns; only each word's low 16 bits are meant to be used.
+
+    One Philox4x32-10 call serves a *pair* of neighbouring elements: columns 2j and 2j + 1 of
+    a row share the counter ``row * ceil(global_k / 2) + j``; the even column takes the low
+    16 bits of each of the call's four words, the odd column the high 16 bits. So the bits
+    are a pure function of (seed, global row, global column), whatever the tile, split or
+    shard. ``ALIGNED`` (``c0`` even) draws once per pair and interleaves the halves; an odd
+    ``c0`` (a shard starting at an odd column) splits pairs across tiles, so each element
+    draws its pair's call itself and shifts: the same bits, at twice the Philox cost."""
+    row_base = rows.to(tl.int64) * ((global_k + 1) // 2)
+    if ALIGNED:
+        pairs = c0 // 2 + tl.arange(0, BLOCK_K // 2)
+        counter = (row_base[:, None] + pairs[None, :]).to(tl.uint32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        w0 = tl.interleave(r0, r0 >> 16)
+        w1 = tl.interleave(r1, r1 >> 16)
+        w2 = tl.interleave(r2, r2 >> 16)
+        w3 = tl.interleave(r3, r3 >> 16)
+    else:
+        cols = c0 + tl.arange(0, BLOCK_K)
+        counter = (row_base[:, None] + (cols // 2)[None, :]).to(tl.uint32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        shift = ((cols % 2) * 16).to(tl.uint32)[None, :]
+        w0 = r0 >> shift
+        w1 = r1 >> shift
+        w2 = r2 >> shift
+        w3 = r3 >> shift
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def rn_bf16(x):
     """fp32 tile -> bf16 tile, rounded to nearest, ties to even, by integer arithmetic.
 
@@ -79,9 +113,11 @@ def _splitmix64(z: int) -> int:
 
 def stream_seed(seed: int, step: int, output: int = 0) -> int:
     """A Philox key: the user's seed, the step and ``output`` mixed by SplitMix64, kept
-    below 2**63. The fused update keys each step with ``output=0`` and takes the four
-    words of one Philox call per element, word 0 for the weight and word 1 + i for
-    state slot i (``_rule_epilogue``); ``fuse`` derives its layers' seeds with it too."""
+    below 2**63. The fused update keys each step with ``output=0``; with bf16 stores it
+    takes 16 bits of word 0 for the weight and of word 1 + i for state slot i, one call
+    per pair of neighbouring elements (``paired_words``); with q8 state, whose codes
+    need 24 bits, the four whole words of one call per element (``_rule_epilogue``).
+    ``fuse`` derives its layers' seeds with it too."""
     return _splitmix64(_splitmix64(seed) ^ (step * 4 + output)) >> 1
 
 

@@ -1,0 +1,77 @@
+"""A/B probe: the fused kernel of this tree against the same kernel of another tree (a
+copy of its ``kernels/`` folder, imported as a second package), launched alone on the
+same inputs in the same process; medians of ``do_bench`` (L2 flushed), each config
+checked fused == oracle bitwise in this tree first. A diagnostic for one kernel change
+(e.g. the Philox draw), not the benchmark table (that is ``bench_update.py``).
+
+    python3 benchmarks/probe_ab.py --old /path/to/old/kernels --regimes bf16-sr,q8 --tokens 256,1024
+"""
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+
+fk = bu.fk
+
+
+def load_tree(folder: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    importlib.import_module(f"{name}.ops.fused_weight_update")
+    return module
+
+
+def kernel_step(package, layer, config_tuple, r_cls_name="AdamW"):
+    r = getattr(package, r_cls_name)(lr=1e-3, weight_decay=0.01)
+    state = layer.fresh_state(r)
+    config = package.TileConfig(*config_tuple)
+    epilogue_cls = sys.modules[f"{package.__name__}.ops.fused_weight_update"]._Epilogue
+    epilogue = epilogue_cls(layer.w, state, r, 1, config, None, 0, 1.0, None)
+    return lambda: epilogue.fused(layer.x, layer.dy, layer.w)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--old", required=True, help="the other tree's kernels/ folder")
+    parser.add_argument("--shapes", default="4096x4096")
+    parser.add_argument("--tokens", default="256,1024")
+    parser.add_argument("--regimes", default="bf16-sr")
+    parser.add_argument("--configs", default=None, help="';'-separated tuples (default: the tuned config)")
+    args = parser.parse_args()
+    old = load_tree(Path(args.old), "forge_kernels_old")
+    configs_file = bu.json.loads(bu.CONFIGS_FILE.read_text())
+    print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        for regime in args.regimes.split(","):
+            for t in (int(v) for v in args.tokens.split(",")):
+                if args.configs:
+                    candidates = [bu.ast.literal_eval(c) for c in args.configs.split(";")]
+                else:
+                    candidates = [tuple(configs_file[regime][str(max(int(key) for key in configs_file[regime]
+                                                                     if int(key) <= t))])]
+                for candidate in candidates:
+                    config = fk.TileConfig(*candidate)
+                    bu.check_fused_equals_oracle(n, k, 512, regime, config)
+                    layer = bu.Layer(n, k, t, regime)
+                    floor = bu.floor_ms(n, k, t, regime, 4.25e12, 684e12)
+                    new_ms = bu.timed(kernel_step(fk, layer, candidate))[0]
+                    old_ms = bu.timed(kernel_step(old, layer, candidate))[0]
+                    new2_ms = bu.timed(kernel_step(fk, layer, candidate))[0]
+                    print(f"ab {n}x{k} T={t:5d} {regime:7s} {str(candidate):30s} old {old_ms:.4f} ms  "
+                          f"new {new_ms:.4f} / {new2_ms:.4f} ms  old/new {old_ms / min(new_ms, new2_ms):.3f}  "
+                          f"new/floor(4.25TB/s) {min(new_ms, new2_ms) / floor:.2f}", flush=True)
+                    del layer
+
+
+if __name__ == "__main__":
+    main()
