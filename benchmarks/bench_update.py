@@ -8,7 +8,11 @@ Methods (AdamW, lr 1e-3, weight decay 0.01; bf16 activations x (T, K) and dy (T,
 * ``forge deferred``: the same with ``report="defer"``, no synchronization; each call
   checks the previous call's report first, as a fused layer does at its next step;
 * ``forge kernel``: the same kernel launched alone (a diagnostic: what the checks cost);
+* ``forge captured``: the call (input check, fused kernel, ``report="defer"``) captured
+  once in a CUDA graph with its step as a ``StepScalars``; each timed step is
+  ``StepScalars.set(step)`` (host scalars, one 40-byte copy) and one graph replay;
 * ``torch``: cuBLAS dW = dyᵀx, then ``torch.optim.AdamW(fused=True)``;
+* ``torch captured``: the same two in one CUDA graph, ``AdamW(fused=True, capturable=True)``;
 * ``torch hook``: PyTorch's optimizer-in-backward, one optimizer stepping from a
   ``register_post_accumulate_grad_hook`` while autograd computes dW;
 * ``torchao 8-bit``: cuBLAS dW, then torchao's ``AdamW8bit`` (q8 regime, if it runs).
@@ -31,6 +35,7 @@ import argparse
 import ast
 import csv
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -141,6 +146,36 @@ def kernel_step(layer, config, r=None, state=None):
     return lambda: epilogue.fused(layer.x, layer.dy, layer.w)
 
 
+def capture(fn):
+    """A CUDA graph of ``fn``, after one warm-up call on a side stream (compilation,
+    optimizer state); returns (graph, what the captured call returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        returned = fn()
+    return graph, returned
+
+
+CAPTURED = ("forge captured", "torch captured")  # their memory sits in the graph's pool: not measured per step
+
+
+def captured_step(layer, config, r, state, seed=1):
+    """The fused call captured once; each call sets the next step's scalars and replays."""
+    scalars = fk.StepScalars(r, seed=seed, device="cuda").set(1)
+    graph, _ = capture(lambda: fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, scalars, seed=seed,
+                                                      config=config, report="defer"))
+    steps = itertools.count(2)
+
+    def step():
+        scalars.set(next(steps))
+        graph.replay()
+    return step
+
+
 def methods(layer, regime, config):
     """name -> zero-argument callable taking one step."""
     r = rule()
@@ -162,6 +197,7 @@ def methods(layer, regime, config):
     found["forge deferred"] = forge_deferred
 
     found["forge kernel"] = kernel_step(layer, config, r, state)
+    found["forge captured"] = captured_step(layer, config, r, state)
 
     param = torch.nn.Parameter(layer.w.clone())
     opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, fused=True)
@@ -171,6 +207,14 @@ def methods(layer, regime, config):
         opt.step()
         param.grad = None
     found["torch"] = torch_step
+
+    captured_param = torch.nn.Parameter(layer.w.clone())
+    captured_opt = torch.optim.AdamW([captured_param], lr=1e-3, weight_decay=0.01, fused=True, capturable=True)
+
+    def torch_captured_step():
+        captured_param.grad = torch_grad(layer)
+        captured_opt.step()
+    found["torch captured"] = capture(torch_captured_step)[0].replay
 
     hooked = torch.nn.Parameter(layer.w.clone())
     hook_opt = torch.optim.AdamW([hooked], lr=1e-3, weight_decay=0.01, fused=True)
@@ -239,6 +283,22 @@ def check_fused_equals_oracle(n, k, t, regime, config):
     same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
     if not same:
         raise AssertionError(f"fused != oracle for {regime} {n}x{k} T={t} {config}")
+    # The captured step (StepScalars, graph replays at steps 2 and 3) gives the uncaptured steps' bits.
+    w_c = layer.w.clone()
+    s_c = layer.fresh_state(r)
+    s_p = {name: v.clone() for name, v in s_c.items()}
+    scalars = fk.StepScalars(r, seed=3, device="cuda").set(1)
+    graph, _ = capture(lambda: fk.fused_weight_update(layer.x, layer.dy, w_c, s_c, r, scalars, seed=3, config=config,
+                                                      report="defer"))
+    w_p = layer.w.clone()
+    fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, 1, config=config, seed=3)  # the warm-up's step
+    for step in (2, 3):
+        scalars.set(step)
+        graph.replay()
+        fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3)
+    pairs = [(w_c, w_p)] + [(s_c[name], s_p[name]) for name in s_c]
+    if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs):
+        raise AssertionError(f"captured != uncaptured for {regime} {n}x{k} T={t} {config}")
 
 
 def tuned_config(configs, regime, t):
@@ -343,7 +403,7 @@ def main(argv=None):
                     floor = floor_ms(n, k, t, regime, bandwidth, matrix_rate)
                     for method, fn in methods(layer, regime, config).items():
                         median, low, high = timed(fn)
-                        peak = peak_extra_bytes(fn)
+                        peak = "" if method in CAPTURED else peak_extra_bytes(fn)
                         rows.append((n, k, t, regime, method, median, peak, floor))
                         writer.writerow({**meta, "n": n, "k": k, "tokens": t, "regime": regime, "method": method,
                                          "median_ms": f"{median:.5f}", "min_ms": f"{low:.5f}",
@@ -358,12 +418,18 @@ def main(argv=None):
 
 def print_table(rows):
     torch_time = {(n, k, t, regime): median for n, k, t, regime, method, median, _, _ in rows if method == "torch"}
+    captured_time = {(n, k, t, regime): median for n, k, t, regime, method, median, _, _ in rows
+                     if method == "torch captured"}
     print(f"{'shape':>11} {'T':>6} {'regime':>8} {'method':>14} {'median ms':>10} {'vs torch':>9} "
           f"{'/ floor':>8} {'extra MB':>9}")
     for n, k, t, regime, method, median, peak, floor in rows:
         ratio = torch_time[(n, k, t, regime)] / median
+        extra = f"{peak / 2**20:>9.1f}" if peak != "" else f"{'-':>9}"
+        against_captured = ""
+        if method == "forge captured" and (n, k, t, regime) in captured_time:
+            against_captured = f"  ({captured_time[(n, k, t, regime)] / median:.2f}x torch captured)"
         print(f"{n:>5}x{k:<5} {t:>6} {regime:>8} {method:>14} {median:>10.4f} {ratio:>8.2f}x "
-              f"{median / floor:>8.2f} {peak / 2**20:>9.1f}")
+              f"{median / floor:>8.2f} {extra}{against_captured}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from .errors import NonFiniteInputError, NonFiniteUpdateError
 from .linear import ForgeLinear, ForgeLinearFunction, check_updates, fuse
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.update_report import UpdateReport
+from .ops.step_scalars import StepScalars
 from .ops.stochastic_round import stochastic_round
 from .ops.weight_gradient import weight_gradient
 from .weight_slice import WeightSlice
@@ -20,7 +21,7 @@ from .training import Trainer, fused_layers, unfused_parameters
 
 __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
-    "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round",
+    "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round", "StepScalars",
     "ForgeLinear", "ForgeLinearFunction", "fuse", "check_updates", "Trainer", "fused_layers", "unfused_parameters",
     "WeightSlice", "UpdateReport",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",

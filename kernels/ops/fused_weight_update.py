@@ -14,11 +14,12 @@ import triton.language as tl
 
 from .._backend import interpreting, on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
-from ..rules.base import NUM_SLOTS
+from ..rules.base import NUM_SCALARS, NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
 from .stochastic_round import check_seed, paired_words, rn_bf16, sr_bf16_with, stream_seed
+from .step_scalars import StepScalars
 from .update_report import UpdateReport
 from ..weight_slice import WeightSlice
 from .validation import check_grad_scale, check_gradient, check_update_inputs, check_weight_and_state
@@ -208,16 +209,24 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                                    QUARTER)
 
 
+@triton.jit
+def _device_scalars(scalars_ptr, seed_ptr):
+    """The step's rule scalars and Philox key as a ``StepScalars`` buffer holds them."""
+    return (tl.load(scalars_ptr), tl.load(scalars_ptr + 1), tl.load(scalars_ptr + 2), tl.load(scalars_ptr + 3),
+            tl.load(scalars_ptr + 4), tl.load(scalars_ptr + 5), tl.load(scalars_ptr + 6), tl.load(scalars_ptr + 7),
+            tl.load(seed_ptr))
+
+
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
                                 flag_ptr, status_ptr, T, N, K, KB, row0, col0, global_k,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
-                                h0, h1, h2, h3, h4, h5, h6, h7, seed,
+                                h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                                DEVICE_SCALARS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 SPLIT: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -228,6 +237,8 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
     tile_id = pid_n * tl.num_programs(1) + pid_k
+    if DEVICE_SCALARS:
+        h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
     _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
@@ -239,11 +250,11 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
 def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
                        N, K, KB,
                        row0, col0, global_k, grad_scale,
-                       h0, h1, h2, h3, h4, h5, h6, h7, seed,
+                       h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
-                       NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
+                       NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, DEVICE_SCALARS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
@@ -254,6 +265,8 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     mask_k = offs_k < K
     g = tl.load(grad_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     tile_id = pid_n * tl.num_programs(1) + pid_k
+    if DEVICE_SCALARS:
+        h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
     _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
@@ -271,6 +284,27 @@ def check_report(report) -> str:
     return report
 
 
+def _capturing(weight) -> bool:
+    return weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_capture(weight, step, report) -> bool:
+    """True when the call is being captured into a CUDA graph, after refusing what a
+    replay would get wrong: a step given as a number (its scalars and rounding key
+    would be replayed unchanged at every later step: pass a ``StepScalars``) and
+    ``report="raise"`` (it synchronizes, which capture forbids)."""
+    if not _capturing(weight):
+        return False
+    if not isinstance(step, StepScalars):
+        raise RuntimeError("a fused step captured in a CUDA graph needs its step as a forge_kernels.StepScalars "
+                           "(set before each replay); with a step number every replay would repeat that step's "
+                           "scalars and rounding bits")
+    if report != "defer":
+        raise RuntimeError('a captured fused step must use report="defer" (report="raise" synchronizes); '
+                           "check the returned report after a replay")
+    return True
+
+
 class _Epilogue:
     """The validated, host-side arguments of the rule epilogue for one step, and the
     device status and per-tile flags its kernels write (one zeroed allocation)."""
@@ -284,8 +318,14 @@ class _Epilogue:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         seed = check_seed(seed)
-        # One Philox key per step; its words serve the weight and the state slots.
-        self.scalars, self.seed = rule.scalars(step), stream_seed(seed, step)
+        if isinstance(step, StepScalars):  # read on the device: the kernels' scalar arguments are unused
+            step.check_for(rule, seed, weight.device)
+            self.scalars, self.seed = (0.0,) * NUM_SCALARS, 0
+            self.device_scalars = (step.values, step.key)
+        else:
+            # One Philox key per step; its words serve the weight and the state slots.
+            self.scalars, self.seed = rule.scalars(step), stream_seed(seed, step)
+            self.device_scalars = (weight, weight)  # unused pointers
         layout = rule.slot_layout
         assert len(layout) == NUM_SLOTS
         state_format = rule.state_format(state)
@@ -312,7 +352,7 @@ class _Epilogue:
             W_BF16=weight.dtype == torch.bfloat16, S_BF16=state_format == "bf16", S_Q8=q8_state,
             STOCHASTIC=rounding == "stochastic",
             # Pairs of columns share a Philox call; a slice at an odd column splits them.
-            ALIGNED_PAIRS=self.place[1] % 2 == 0,
+            ALIGNED_PAIRS=self.place[1] % 2 == 0, DEVICE_SCALARS=isinstance(step, StepScalars),
             NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
         self.shape = tuple(weight.shape)
         N, K = self.shape
@@ -327,7 +367,7 @@ class _Epilogue:
         N, K = self.shape
         _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.table,
                                       self.flags, self.status, N, K, self.blocks_per_row, *self.place,
-                                      self.grad_scale, *self.scalars, self.seed,
+                                      self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       SPLIT=self.config.epilogue_split, **self.config.launch_options())
 
@@ -340,16 +380,18 @@ class _Epilogue:
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-            self.grad_scale, *self.scalars, self.seed,
+            self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             SPLIT=config.epilogue_split,
             UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
 
-    def report(self, report: str, num_inputs: int):
+    def report(self, report: str, num_inputs: int, captured: bool = False):
         """The call's outcome: raised now (``"raise"``, one read of the status) or
-        returned as an ``UpdateReport`` (``"defer"``, no synchronization)."""
+        returned as an ``UpdateReport`` (``"defer"``, no synchronization). A captured
+        call's report reads the graph's status words when checked (one synchronization):
+        the outcome of the latest replay."""
         outcome = UpdateReport(self.status, self.flags, num_inputs, self.grid, self.config, self.shape,
-                               copy_async=report == "defer")
+                               copy_async=report == "defer" and not captured)
         if report == "defer":
             return outcome
         outcome.check()
@@ -375,7 +417,11 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     the unsharded one; ``None`` means the weight is whole.
 
     ``step`` is the 1-based step number the rule's scalars (bias corrections,
-    first-step momentum) are computed for. ``oracle=True`` materializes dW with the
+    first-step momentum) are computed for, or a :class:`StepScalars` holding them (and
+    the step's rounding key) in device memory, made for this ``rule`` and ``seed``: the
+    form a CUDA-graph capture of the call needs (with ``report="defer"``; the returned
+    report then reads the latest replay's outcome when checked). Either form gives the
+    same bits at the same step. ``oracle=True`` materializes dW with the
     same tile loop and applies the same epilogue in a second kernel (the exactness
     reference). ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``.
     ``grad_scale`` (a float32 value) multiplies the gradient before the rule, as
@@ -394,6 +440,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     """
     check_report(report)
     check_update_inputs(x, dy, weight, state, rule)
+    captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
     with on_device(weight.device), quiet_non_finite():
         if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
@@ -402,7 +449,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
                 epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
             else:
                 epilogue.fused(x, dy, weight)
-        return epilogue.report(report, num_inputs=2)
+        return epilogue.report(report, num_inputs=2, captured=captured)
 
 
 def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0,
@@ -415,9 +462,10 @@ def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, s
     check_report(report)
     check_gradient(grad, weight)
     check_weight_and_state(weight, state, rule, read=[("grad", grad)])
+    captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
     with on_device(weight.device), quiet_non_finite():
         if weight.numel():
             launch_finite_check(epilogue.status, grad)
             epilogue.apply(grad, weight)
-        return epilogue.report(report, num_inputs=1)
+        return epilogue.report(report, num_inputs=1, captured=captured)
