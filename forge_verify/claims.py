@@ -11,7 +11,7 @@ import forge_kernels as fk
 from .bits import assert_bitwise_equal, ulp_distance
 from .interval import Interval
 from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
-from .problems import FP32, make_inputs, run_rule
+from .problems import FP32, Inputs, make_inputs, run_rule
 from .reference import ENCLOSURE, POINT, reference_step, weight_grad, weight_grad_enclosure
 
 
@@ -55,6 +55,28 @@ def tiling_invariant(problem, rule, config_a, config_b, device, *, regime=FP32):
     a = run_rule(inputs, rule, config=config_a, regime=regime)
     b = run_rule(inputs, rule, config=config_b, regime=regime)
     _assert_same_update(a, b, rule, f"{config_a} vs {config_b} [{rule!r}; {problem.describe()}; {regime.describe()}]")
+
+
+def slice_invariant(problem, rule, config_whole, config_slice, rows, cols, device, *, regime=FP32):
+    """A block ``[rows, cols]`` of the weight, updated on its own (its rows of dy, its
+    columns of x, its ``WeightSlice``) under ``config_slice``, gets the bits of the same
+    block of the whole weight's update under ``config_whole``: the weight gradient and
+    every step's weight and state. The block may start anywhere inside a tile."""
+    inputs = make_inputs(problem, device, regime)
+    (r0, r1), (c0, c1) = rows, cols
+    what = (f"block [{r0}:{r1}, {c0}:{c1}] alone ({config_slice}) vs the whole's ({config_whole}) "
+            f"[{rule!r}; {problem.describe()}; {regime.describe()}]")
+    for step, (x, dy) in enumerate(inputs.batches, start=1):
+        whole_grad = fk.weight_gradient(x, dy, config=config_whole)
+        block_grad = fk.weight_gradient(x[:, c0:c1], dy[:, r0:r1], config=config_slice)
+        assert_bitwise_equal(block_grad, whole_grad[r0:r1, c0:c1], f"{what}: weight gradient of step {step}")
+    whole_weight, whole_state = run_rule(inputs, rule, config=config_whole, regime=regime)
+    block = Inputs(inputs.weight[r0:r1, c0:c1].clone(), [(x[:, c0:c1], dy[:, r0:r1]) for x, dy in inputs.batches])
+    place = fk.WeightSlice(r0, c0, tuple(inputs.weight.shape))
+    block_weight, block_state = run_rule(block, rule, config=config_slice, regime=regime, weight_slice=place)
+    expected = {key: value[r0:r1, c0 // fk.q8.BLOCK:-(-c1 // fk.q8.BLOCK)] if key.endswith(fk.q8.EXPONENT_SUFFIX)
+                else value[r0:r1, c0:c1] for key, value in whole_state.items()}
+    _assert_same_update((block_weight, block_state), (whole_weight[r0:r1, c0:c1], expected), rule, what)
 
 
 def enclosed_run(inputs, rule, config, regime, backend):

@@ -11,8 +11,9 @@ matter (test_exactness_equivalent_configs_give_same_bits).
 import torch
 
 BLOCK_T_CHANGES_BITS = {
-    # The interpreter evaluates each tl.dot as a numpy matmul of one token block and
-    # adds it to the accumulator: the block size sets the grouping of the sum.
+    # The interpreter's tile loop sums each token block on its own, in token order,
+    # and adds the block's sum to the accumulator (proofs/interpreter_reduction.md):
+    # the block size sets the grouping of the sum, nothing else does (no BLAS).
     ("interpreter", torch.float32): True,
     ("interpreter", torch.bfloat16): True,
     # Compiled (H200, triton 3.6): the accumulator threaded through tl.dot is updated

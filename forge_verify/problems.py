@@ -72,11 +72,13 @@ def make_inputs(problem: Problem, device, regime: Regime = FP32) -> Inputs:
     return Inputs(weight.to(device, regime.weight), batches)
 
 
-def run_rule(inputs: Inputs, rule, *, oracle=False, config=None, regime: Regime = FP32, first_step=1):
-    """Apply ``rule`` once per batch to a copy of the weight; returns (weight, state)."""
+def run_rule(inputs: Inputs, rule, *, oracle=False, config=None, regime: Regime = FP32, first_step=1,
+             weight_slice=None):
+    """Apply ``rule`` once per batch to a copy of the weight (at ``weight_slice`` inside a
+    larger one, if given); returns (weight, state)."""
     weight = inputs.weight.clone()
     state = rule.init_state(weight, state_format=regime.state_format)
     for i, (x, dy) in enumerate(inputs.batches):
         fk.fused_weight_update(x, dy, weight, state, rule, first_step + i, oracle=oracle, config=config,
-                               rounding=regime.rounding, seed=regime.seed)
+                               rounding=regime.rounding, seed=regime.seed, weight_slice=weight_slice)
     return weight, state

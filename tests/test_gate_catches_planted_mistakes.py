@@ -57,8 +57,8 @@ MISTAKES = [
             ("properties/test_reference_closeness.py", "-k", "adamw")),
 ]
 
-# The interpreter's tl.dot ignores input_precision (a numpy matmul in fp32), so TF32 cannot
-# be planted where CI runs; compiled, a TF32 dot leaves the fp32 enclosure.
+# Interpreted, the tile loop does not call tl.dot (proofs/interpreter_reduction.md), so TF32
+# cannot be planted where CI runs; compiled, a TF32 dot leaves the fp32 enclosure.
 TF32 = Mistake("TF32 dot instead of full fp32", "ops/weight_gradient.py",
                'input_precision="ieee"', 'input_precision="tf32"',
                ("rule adamw", "exceeds its proven bound"),
