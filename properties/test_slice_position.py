@@ -14,9 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import forge_kernels as fk
-from forge_verify import claims, findings
-from forge_verify import strategies as fst
-from forge_verify.observations import observe
+from forge_verify.checks import claims
+from forge_verify.numerics import findings
+from forge_verify.checks import strategies as fst
+from forge_verify.checks.observations import observe
 
 pytestmark = pytest.mark.exactness
 

@@ -22,8 +22,8 @@ from forge_kernels.ops.stochastic_round import stream_seed
 from forge_kernels.parallel_linear import ColumnParallelForgeLinear, RowParallelForgeLinear
 from forge_kernels.tensor_parallel import local_weight
 
-from .bits import assert_bitwise_equal, first_difference
-from .problems import FP32, Problem, Regime, make_inputs
+from ..checks.problems import FP32, Problem, Regime, make_inputs
+from ..numerics.bits import assert_bitwise_equal, first_difference
 
 #: how the layer is sharded: weight rows (column-parallel) or columns (row-parallel),
 #: with or without sequence parallelism (activations sharded on tokens between layers)

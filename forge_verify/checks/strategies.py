@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import forge_kernels as fk
 
+from .catalog import CATALOG
 from .problems import Problem, Regime
 
 TILE_SIZES = (16, 32, 64)
@@ -46,12 +47,6 @@ def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYP
                      scale=st.sampled_from((1e-3, 1.0, 30.0)), sparse=st.booleans())
 
 
-# Hyperparameters are drawn as fp32 values without subnormals: the kernel receives fp32
-# scalars, and one that is not representable is refused (tests/test_bad_input.py).
-def _floats(low, high):
-    return st.floats(float(np.float32(low)), float(np.float32(high)), width=32, allow_subnormal=False)
-
-
 def regimes():
     """Storage regimes: fp32 or bf16 weight, fp32, bf16 or q8 state, stochastic or nearest bf16 stores."""
     return st.builds(Regime, weight=st.sampled_from((torch.float32, torch.bfloat16)),
@@ -66,32 +61,7 @@ def fit_config(config, regime):
     return config
 
 
-_lr = _floats(1e-5, 0.1)
-_beta = _floats(0.0, 0.99)
-_beta2 = _floats(0.5, 0.9999)
-_eps = st.sampled_from((1e-10, 1e-8, 1e-6, 1e-3))
-_decay = st.one_of(st.just(0.0), _floats(1e-4, 0.1))
-
-
-@st.composite
-def _sgd(draw):
-    momentum = draw(st.one_of(st.just(0.0), _floats(0.1, 0.99)))
-    nesterov = momentum > 0 and draw(st.booleans())
-    dampening = 0.0 if nesterov or momentum == 0 else draw(st.one_of(st.just(0.0), _floats(0.0, 0.9)))
-    return fk.SGD(lr=draw(_lr), momentum=momentum, dampening=dampening,
-                  weight_decay=draw(_decay), nesterov=nesterov)
-
-
-RULES = {
-    "adamw": st.builds(fk.AdamW, lr=_lr, betas=st.tuples(_beta, _beta2), eps=_eps, weight_decay=_decay),
-    "adam": st.builds(fk.Adam, lr=_lr, betas=st.tuples(_beta, _beta2), eps=_eps),
-    "sgd": _sgd(),
-    "lion": st.builds(fk.Lion, lr=_lr, betas=st.tuples(_beta, _beta2), weight_decay=_decay),
-    "rmsprop": st.builds(fk.RMSprop, lr=_lr, alpha=_beta2, eps=_eps, weight_decay=_decay,
-                         momentum=st.one_of(st.just(0.0), _floats(0.1, 0.95)), centered=st.booleans()),
-    "adagrad": st.builds(fk.Adagrad, lr=_lr, lr_decay=st.one_of(st.just(0.0), _floats(0.0, 0.1)),
-                         weight_decay=_decay, initial_accumulator_value=st.sampled_from((0.0, 0.1)), eps=_eps),
-}
+RULES = {entry.name: entry.strategy for entry in CATALOG}
 """One strategy per rule family, keyed by the family's name."""
 
 

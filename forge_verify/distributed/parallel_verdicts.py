@@ -21,11 +21,10 @@ import torch.distributed as dist
 
 import forge_kernels as fk
 
-from .bits import first_difference
-from .deviation import REGIMES
-from .distributed import RankPool
-from .gate_cases import RULES
-from .problems import Problem
+from ..checks.catalog import CATALOG
+from ..checks.problems import REGIMES, Problem
+from ..numerics.bits import first_difference
+from .ranks import RankPool
 from .sharding import ENGINES, LAYOUTS, LayerCase, device, sharded_steps
 
 STEPS = 2
@@ -43,7 +42,7 @@ def verdicts_job(regime_names: list) -> dict:
     out = {}
     for regime_name in regime_names:
         case = LayerCase(Problem(**PROBLEM), REGIMES[regime_name])
-        for rule_name, rule in RULES.items():
+        for rule_name, rule in ((entry.name, entry.gate) for entry in CATALOG):
             ok, refused = {}, set()
             for engine, layout, _, local, expected in sharded_steps(case, rule, allow_refusal=True):
                 if local is None:

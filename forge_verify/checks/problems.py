@@ -49,6 +49,22 @@ class Regime:
 
 FP32 = Regime()
 
+#: the storage regimes every study and gate case is run in, by name
+REGIMES = {
+    "fp32 weight, fp32 state": Regime(),
+    "fp32 weight, bf16 state, nearest": Regime(state_format="bf16", rounding="nearest"),
+    "fp32 weight, bf16 state, stochastic": Regime(state_format="bf16", rounding="stochastic", seed=1),
+    "bf16 weight, fp32 state, nearest": Regime(weight=torch.bfloat16, rounding="nearest"),
+    "bf16 weight, fp32 state, stochastic": Regime(weight=torch.bfloat16, rounding="stochastic", seed=1),
+    "bf16 weight, bf16 state, nearest": Regime(weight=torch.bfloat16, state_format="bf16", rounding="nearest"),
+    "bf16 weight, bf16 state, stochastic": Regime(weight=torch.bfloat16, state_format="bf16",
+                                                  rounding="stochastic", seed=1),
+    "fp32 weight, q8 state, nearest": Regime(state_format="q8", rounding="nearest"),
+    "fp32 weight, q8 state, stochastic": Regime(state_format="q8", rounding="stochastic", seed=1),
+    "bf16 weight, q8 state, stochastic": Regime(weight=torch.bfloat16, state_format="q8", rounding="stochastic",
+                                                seed=1),
+}
+
 
 @dataclass
 class Inputs:

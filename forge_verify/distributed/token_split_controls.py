@@ -10,7 +10,7 @@ import torch.distributed as dist
 import forge_kernels as fk
 from forge_kernels.token_split import linear_split_step, materialized_split_step
 
-from .bits import assert_bitwise_equal, ulp_distance
+from ..numerics.bits import assert_bitwise_equal, ulp_distance
 from .sharding import chunk, device
 
 SPLITS = ("data", "context", "accumulation")

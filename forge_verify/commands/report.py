@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout: reports/ is not installed
 REPORTS = ROOT / "reports"
 BUILD = ROOT / "build" / "reports"
 MODES = ("fast", "full")

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 import forge_kernels as fk
 
-from . import corpus
-from .bits import int_view
-from .tiny_gpt import GPT, GPTConfig
+from ..models import corpus
+from ..models.tiny_gpt import GPT, GPTConfig
+from ..numerics.bits import int_view
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Arbitrary-precision references: the exact gradient (rational arithmetic) and the
 rule in mpmath at 113 bits, through the same generic references as the float64 and
-interval arithmetics (forge_verify.reference).
+interval arithmetics (forge_verify.numerics.reference).
 
 The precision is set in a local context and restored on exit. Hyperparameter-derived
 constants (bias corrections, 1 - beta) enter as the float64 values the host computes,

@@ -29,8 +29,8 @@ import forge_kernels as fk
 from forge_kernels.parallel_linear import ColumnParallelForgeLinear, RowParallelForgeLinear
 from forge_kernels.tensor_parallel import local_weight, weight_slice
 
-from .bits import assert_bitwise_equal, ulp_distance
-from .problems import FP32
+from ..checks.problems import FP32
+from ..numerics.bits import assert_bitwise_equal, ulp_distance
 from .sharding import chunk, device
 
 MODELS = ("mlp", "block")

@@ -1,9 +1,9 @@
 """``forge-verify gate``: has a kernel change moved a bit it should not?
 
-The committed baseline (``forge_verify/baselines/gate.json``) holds, per backend
-("cpu-interpreter", "gpu") and per canonical case (``forge_verify.gate_cases``), the
+The committed baseline (``forge_verify/gate/baselines/gate.json``) holds, per backend
+("cpu-interpreter", "gpu") and per canonical case (``forge_verify.gate.cases``), the
 fingerprints of everything ``fused_weight_update`` wrote and the case's deviation
-statistics (``forge_verify.gate_measure``). The gate fails when
+statistics (``forge_verify.gate.measure``). The gate fails when
 
 * a bit changed: a fingerprint differs from the baseline (every regime's bits are a
   pure function of inputs and seed, so any difference is a kernel change);
@@ -27,13 +27,13 @@ import triton
 
 import forge_kernels as fk
 
-from .gate_cases import canonical_cases
-from .gate_measure import PROVEN_BOUNDS, measure
-from .tables import render_table
+from ..checks.tables import render_table
+from .cases import canonical_cases
+from .measure import PROVEN_BOUNDS, measure
 
 BASELINE = Path(__file__).resolve().parent / "baselines" / "gate.json"
 BACKENDS = ("cpu-interpreter", "gpu")
-#: the backend names of the tolerance table (forge_verify.tolerances), which models each one's accumulation
+#: the backend names of the tolerance table (forge_verify.numerics.tolerances), which models each one's accumulation
 _TOLERANCE_BACKEND = {"cpu-interpreter": "interpreter", "gpu": "gpu"}
 
 #: a statistic regresses when it grows past baseline * (1 + margin) + slack (in magnitude)

@@ -15,8 +15,8 @@ import torch
 
 import forge_kernels as fk
 
-from .deviation import REGIMES
-from .problems import FP32, Problem, Regime
+from ..checks.catalog import CATALOG
+from ..checks.problems import FP32, REGIMES, Problem, Regime
 
 CONFIG = fk.TileConfig(block_n=16, block_k=32, block_t=16)
 EXACT_STEPS = 3
@@ -50,13 +50,7 @@ def _problem(dtype, steps, seed=3):
 
 
 #: one representative of each rule family, with the features that give it state switched on
-RULES = {
-    "adamw": fk.AdamW(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01),
-    "sgd": fk.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "lion": fk.Lion(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01),
-    "rmsprop": fk.RMSprop(lr=1e-2, alpha=0.99, eps=1e-8, momentum=0.5, centered=True),
-    "adagrad": fk.Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
-}
+RULES = {entry.name: entry.gate for entry in CATALOG}
 
 
 def canonical_cases() -> list:

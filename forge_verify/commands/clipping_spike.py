@@ -9,7 +9,7 @@ the spike's factor. Reported per step: each mode's clip factor, and the distance
 approximate run's parameters from the exact run's, relative to how far the exact run
 has moved from the start (``||θ_approx − θ_exact|| / ||θ_exact − θ_0||``).
 
-    python -m forge_verify.clipping_spike
+    python -m forge_verify.commands.clipping_spike
 """
 
 import copy
@@ -18,7 +18,7 @@ import torch
 
 import forge_kernels as fk
 
-from .tiny_gpt import GPT, GPTConfig
+from ..models.tiny_gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2, n_embd=32)
 RULES = {"AdamW": lambda: fk.AdamW(lr=1e-2), "SGD momentum": lambda: fk.SGD(lr=0.1, momentum=0.9)}

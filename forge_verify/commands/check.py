@@ -3,9 +3,10 @@ and print a verdict table.
 
 The properties run in-process through pytest; a small plugin collects each test's
 outcome and the examples and deviations the properties reported through
-``forge_verify.observations``.
+``forge_verify.checks.observations``.
 """
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -14,14 +15,20 @@ import pytest
 
 import forge_kernels as fk
 
-from . import observations
-from .tables import render_table
-from .torch_optim import measure
+from ..checks import observations
+from ..checks.tables import render_table
+from ..checks.torch_optim import measure
 
-#: environment variable naming the hypothesis profile (forge_verify.hypothesis_profiles)
-PROFILE_VARIABLE = "FORGE_HYPOTHESIS_PROFILE"
 
-PROPERTIES_DIR = Path(__file__).resolve().parent.parent / "properties"
+
+def properties_dir() -> Path:
+    """Where the properties are: the installed ``forge_verify.properties`` package (the
+    checkout's ``properties/``, mapped there by pyproject.toml), or, where the harness is
+    put on PYTHONPATH without being installed, the checkout's folder beside it."""
+    spec = importlib.util.find_spec("forge_verify.properties")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[2] / "properties"
 
 
 class _Collector:
@@ -56,14 +63,21 @@ def format_torch_optim_table(rows) -> str:
 
 
 def run_check(marker: str = "not slow", extra_args=()) -> int:
-    if not PROPERTIES_DIR.is_dir():
-        print(f"forge-verify check: no properties at {PROPERTIES_DIR}; run from a source checkout",
+    properties = properties_dir()
+    if not properties.is_dir():
+        print(f"forge-verify check: no properties at {properties}: the installation is incomplete",
               file=sys.stderr)
         return 2
+    print(f"forge-verify check: the properties in {properties}, on "
+          f"{'the Triton interpreter (CPU)' if fk.interpreting() else 'the GPU'}")
     observations.clear()
     collector = _Collector()
-    args = [str(PROPERTIES_DIR), "-m", marker, "-p", "no:cacheprovider", "-q",
-            f"--rootdir={PROPERTIES_DIR.parent}", *extra_args]
+    # -v with the count style names each property as it starts ("[12/140] ...::test_x
+    # [adamw]"), so a long one is seen running; the plugin brings markers and fixtures
+    # where no conftest is (an installed package).
+    args = [str(properties), "-m", marker, "-p", "forge_verify.pytest_plugin", "-p", "no:cacheprovider",
+            "--strict-markers", "-o", "xfail_strict=true", "-v", "-o", "console_output_style=count",
+            f"--rootdir={properties.parent}", *extra_args]
     code = pytest.main(args, plugins=[collector])
     print()
     print(format_table(collector.rows))

@@ -7,43 +7,24 @@ import torch
 
 import forge_kernels as fk
 
-from .bits import ulp_distance
+from ..numerics.bits import ulp_distance
+from .catalog import CATALOG, entry_for
 from .problems import Problem, make_inputs, run_rule
-
-_FACTORIES = {
-    fk.AdamW: lambda p, r: torch.optim.AdamW([p], lr=r.lr, betas=r.betas, eps=r.eps, weight_decay=r.weight_decay,
-                                             foreach=False),
-    fk.Adam: lambda p, r: torch.optim.Adam([p], lr=r.lr, betas=r.betas, eps=r.eps, foreach=False),
-    fk.SGD: lambda p, r: torch.optim.SGD([p], lr=r.lr, momentum=r.momentum, dampening=r.dampening,
-                                         weight_decay=r.weight_decay, nesterov=r.nesterov, foreach=False),
-    fk.RMSprop: lambda p, r: torch.optim.RMSprop([p], lr=r.lr, alpha=r.alpha, eps=r.eps,
-                                                 weight_decay=r.weight_decay, momentum=r.momentum,
-                                                 centered=r.centered, foreach=False),
-    fk.Adagrad: lambda p, r: torch.optim.Adagrad([p], lr=r.lr, lr_decay=r.lr_decay, weight_decay=r.weight_decay,
-                                                 initial_accumulator_value=r.initial_accumulator_value,
-                                                 eps=r.eps, foreach=False),
-}
 
 def has_counterpart(rule) -> bool:
     """Whether torch.optim has this rule (Lion has none)."""
-    return type(rule) in _FACTORIES
+    return entry_for(rule).torch_optim is not None
 
 
 def torch_optimizer(param, rule):
     """The torch.optim optimizer over ``param`` with ``rule``'s hyperparameters (single-tensor
     path), or None for a rule torch.optim does not have (Lion)."""
-    factory = _FACTORIES.get(type(rule))
+    factory = entry_for(rule).torch_optim
     return None if factory is None else factory(param, rule)
 
 
 #: the rules measured, one representative configuration each
-MEASURED_RULES = {
-    "adamw": fk.AdamW(lr=1e-3, weight_decay=0.01),
-    "adam": fk.Adam(lr=1e-3),
-    "sgd (momentum, nesterov, decay)": fk.SGD(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4),
-    "rmsprop (centered, momentum)": fk.RMSprop(lr=1e-3, momentum=0.9, centered=True),
-    "adagrad": fk.Adagrad(lr=1e-2, lr_decay=1e-3),
-}
+MEASURED_RULES = {entry.name: entry.closeness for entry in CATALOG if entry.closeness is not None}
 
 
 def _run_torch_optim(problem: Problem, rule, device, config=None):

@@ -9,12 +9,13 @@ import torch
 
 import forge_kernels as fk
 
-from . import demo
-from . import gate, report
-from .check import PROFILE_VARIABLE, run_check
-from .deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
-from .problems import Problem
-from .parallel_verdicts import record_parallel_verdicts
+from ..checks.deviation import RULES as DEVIATION_RULES, deviation_table, format_rows
+from ..checks.problems import Problem
+from ..checks.profiles import PROFILE_VARIABLE
+from ..distributed.parallel_verdicts import record_parallel_verdicts
+from ..gate import baseline as gate
+from . import demo, report
+from .check import run_check
 from .sharding_report import sharding_report
 
 
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     deviation.add_argument("--size", type=int, default=8, help="the weight is size x size (default 8)")
     deviation.add_argument("--tokens", type=int, default=32, help="tokens per step (default 32)")
     deviation.add_argument("--rule", choices=sorted(DEVIATION_RULES), default="adamw",
-                           help="rule family, in the configuration forge_verify.deviation.RULES names "
+                           help="rule family, in the configuration forge_verify.checks.deviation.RULES names "
                                 "(default adamw)")
     deviation.add_argument("--lr", type=float, default=None, help="learning rate (default: the rule's, above)")
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")

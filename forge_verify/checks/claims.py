@@ -8,11 +8,12 @@ import torch
 
 import forge_kernels as fk
 
-from .bits import assert_bitwise_equal, ulp_distance
-from .interval import Interval
-from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
+from ..numerics.bits import assert_bitwise_equal, ulp_distance
+from ..numerics.interval import Interval
+from ..numerics.mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
+from ..numerics.reference import ENCLOSURE, POINT, weight_grad, weight_grad_enclosure
+from .catalog import reference_step
 from .problems import FP32, Inputs, make_inputs, run_rule
-from .reference import ENCLOSURE, POINT, reference_step, weight_grad, weight_grad_enclosure
 
 
 def _assert_same_update(a, b, rule, what):

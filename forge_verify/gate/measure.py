@@ -7,15 +7,15 @@ low-precision ones included. The statistics say how far a changed output moved:
 
 * ``outside_enclosure``: elements of the weight or a state slot outside the rigorous
   enclosure of the exact steps (proofs/reference_enclosure.md, computed by
-  ``forge_verify.reference.reference_step`` over ``ENCLOSURE`` along
-  ``forge_verify.claims.enclosure_trajectory``). Proven bound: 0.
+  ``forge_verify.checks.catalog.reference_step`` over ``ENCLOSURE`` along
+  ``forge_verify.checks.claims.enclosure_trajectory``). Proven bound: 0.
 * ``enclosure_use``: the largest |kernel - centre| / radius over those elements. Proven
   bound: 1 (the kernel lies inside).
 * ``reference_max_ulp``: the largest distance of the weight to the float64 reference,
   in ulps of the weight's dtype (no bound; watched for regression).
 * low-precision regimes only, against the exact trajectory (mpmath at 113 bits,
-  ``forge_verify.deviation.exact_trajectory``): ``exact_max_ulp``, ``exact_bias_ulp``,
-  ``exact_spread_ulp``, ``exact_relative_rms`` (as in ``forge_verify.deviation``), and
+  ``forge_verify.checks.deviation.exact_trajectory``): ``exact_max_ulp``, ``exact_bias_ulp``,
+  ``exact_spread_ulp``, ``exact_relative_rms`` (as in ``forge_verify.checks.deviation``), and
   ``exact_outside_enclosure``: elements of the exact weight outside the enclosure.
   Proven bound: 0 (the enclosure contains the exact step).
 """
@@ -24,11 +24,11 @@ import hashlib
 
 import torch
 
-from .bits import int_view, ordered_bits, ulp_distance
-from .claims import decoded_state, enclosed_run
-from .deviation import exact_trajectory, measure_deviation
-from .gate_cases import CONFIG
-from .problems import make_inputs
+from ..checks.claims import decoded_state, enclosed_run
+from ..checks.deviation import exact_trajectory, measure_deviation
+from ..checks.problems import make_inputs
+from ..numerics.bits import int_view, ordered_bits, ulp_distance
+from .cases import CONFIG
 
 #: statistic -> proven upper bound (statistics not listed have none)
 PROVEN_BOUNDS = {"outside_enclosure": 0, "enclosure_use": 1.0, "exact_outside_enclosure": 0}

@@ -11,9 +11,11 @@ matrix, from a real process group (gloo on the CPU, NCCL on GPUs).
 
 import forge_kernels as fk
 
-from . import sharded_models, token_split_controls
-from .distributed import RankPool
-from .tables import render_table
+from ..distributed import sharded_models
+
+from ..checks.tables import render_table
+from ..distributed import token_split_controls
+from ..distributed.ranks import RankPool
 
 RULES = (fk.AdamW(lr=1e-3, weight_decay=0.01), fk.SGD(lr=0.01, momentum=0.9))
 

@@ -31,35 +31,14 @@ import torch
 
 import forge_kernels as fk
 
-from .mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
-from .problems import Problem, Regime, make_inputs
-from .reference import reference_step
+from ..numerics.mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
+from .catalog import CATALOG, reference_step
+from .problems import REGIMES, Problem, Regime, make_inputs
 from .tables import render_table
 from .torch_optim import has_counterpart, torch_optimizer
 
 #: ``forge-verify deviation --rule``: one representative configuration per rule family.
-RULES = {
-    "adamw": fk.AdamW(lr=1e-3, weight_decay=0.01),
-    "sgd": fk.SGD(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4),
-    "lion": fk.Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01),
-    "rmsprop": fk.RMSprop(lr=1e-3, momentum=0.9, centered=True),
-    "adagrad": fk.Adagrad(lr=1e-2),
-}
-
-REGIMES = {
-    "fp32 weight, fp32 state": Regime(),
-    "fp32 weight, bf16 state, nearest": Regime(state_format="bf16", rounding="nearest"),
-    "fp32 weight, bf16 state, stochastic": Regime(state_format="bf16", rounding="stochastic", seed=1),
-    "bf16 weight, fp32 state, nearest": Regime(weight=torch.bfloat16, rounding="nearest"),
-    "bf16 weight, fp32 state, stochastic": Regime(weight=torch.bfloat16, rounding="stochastic", seed=1),
-    "bf16 weight, bf16 state, nearest": Regime(weight=torch.bfloat16, state_format="bf16", rounding="nearest"),
-    "bf16 weight, bf16 state, stochastic": Regime(weight=torch.bfloat16, state_format="bf16",
-                                                  rounding="stochastic", seed=1),
-    "fp32 weight, q8 state, nearest": Regime(state_format="q8", rounding="nearest"),
-    "fp32 weight, q8 state, stochastic": Regime(state_format="q8", rounding="stochastic", seed=1),
-    "bf16 weight, q8 state, stochastic": Regime(weight=torch.bfloat16, state_format="q8", rounding="stochastic",
-                                                seed=1),
-}
+RULES = {entry.name: entry.deviation for entry in CATALOG}
 
 
 @dataclass
