@@ -24,8 +24,9 @@ setup: $(STAMP)
 check: $(STAMP)
 	$(VENV)/bin/forge-verify check
 
+# PYTEST_ARGS narrows the run (.ci/run passes "tests": `make check` has just run the properties).
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 gate: $(STAMP)
 	$(VENV)/bin/forge-verify gate

@@ -5,6 +5,6 @@ ulp distances, the tolerance table, hypothesis strategies and the ``forge-verify
 command. It may import forge_kernels; forge_kernels never imports it.
 """
 
-from .bits import assert_bitwise_equal, ordered_bits, ulp_distance
+from .numerics.bits import assert_bitwise_equal, ordered_bits, ulp_distance
 
 __all__ = ["assert_bitwise_equal", "ordered_bits", "ulp_distance"]

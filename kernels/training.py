@@ -141,7 +141,7 @@ class Trainer:
     * ``clipping="previous-norm"``: APPROXIMATE, one pass. Step t is scaled by the clip
       factor of step t-1's global norm (step 1 clips exactly); each layer's gradient is
       materialized transiently for its norm and the step taken from it. A gradient spike
-      passes unclipped on the step it happens: see ``forge_verify.clipping_spike`` for
+      passes unclipped on the step it happens: see ``forge_verify.commands.clipping_spike`` for
       the measured deviation.
     * Accumulation over micro-batches: only SGD with momentum (not Nesterov) with fp32
       state, accumulating into the momentum buffer (``SGDMicroBatch``), no extra memory.

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forge_verify import claims
-from forge_verify import strategies as fst
-from forge_verify.observations import observe
+from forge_verify.checks import claims
+from forge_verify.checks import strategies as fst
+from forge_verify.checks.observations import observe
 
 pytestmark = pytest.mark.exactness
 

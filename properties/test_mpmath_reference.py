@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import forge_kernels as fk
-from forge_verify import claims
-from forge_verify import strategies as fst
-from forge_verify.deviation import deviation_table
-from forge_verify.problems import Problem, Regime
-from forge_verify.stats import azuma_radius
+from forge_verify.checks import claims
+from forge_verify.checks import strategies as fst
+from forge_verify.checks.deviation import deviation_table
+from forge_verify.checks.problems import Problem, Regime
+from forge_verify.numerics.stats import azuma_radius
 
 pytestmark = pytest.mark.mpmath
 

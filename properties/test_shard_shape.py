@@ -1,6 +1,6 @@
 """Exactness must not depend on the shard shape. A config chosen per shard shape (a
 different BLOCK_T for the shard than for the whole weight) breaks the layer-level
-property wherever BLOCK_T changes bits (forge_verify.findings: the interpreter);
+property wherever BLOCK_T changes bits (forge_verify.numerics.findings: the interpreter);
 where it does not (compiled on an H200), the same run shows no difference, as
 recorded. The library pins one config, so shards and whole always agree
 (test_sharding_exactness.py)."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify import findings
-from forge_verify.problems import Problem
-from forge_verify.sharding import per_shard_config_changes_bits, shape_keyed_config
+from forge_verify.numerics import findings
+from forge_verify.checks.problems import Problem
+from forge_verify.distributed.sharding import per_shard_config_changes_bits, shape_keyed_config
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 
@@ -27,4 +27,4 @@ def test_config_chosen_per_shard_shape_breaks_exactness_where_block_t_matters(la
     expected = findings.BLOCK_T_CHANGES_BITS[(backend, dtype)]
     assert any(differs) == expected, (
         f"per-shard configs {'changed' if any(differs) else 'did not change'} the shards' bits on {backend} "
-        f"({dtype}), but forge_verify.findings records BLOCK_T changing bits: {expected}")
+        f"({dtype}), but forge_verify.numerics.findings records BLOCK_T changing bits: {expected}")

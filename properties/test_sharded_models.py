@@ -10,15 +10,15 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify import sharded_models as sm
-from forge_verify.problems import Regime
+from forge_verify.checks.catalog import CATALOG
+from forge_verify.distributed import sharded_models as sm
+from forge_verify.checks.problems import Regime
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 
 WORLD_SIZE = 2
 TWO_RULES = [fk.AdamW(lr=1e-2, weight_decay=0.1), fk.SGD(lr=0.05, momentum=0.9, nesterov=True)]
-EVERY_FAMILY = [fk.AdamW(lr=1e-2), fk.Adam(lr=1e-2), fk.SGD(lr=0.1, momentum=0.9), fk.Lion(lr=1e-3),
-                fk.RMSprop(centered=True, momentum=0.5), fk.Adagrad(lr=0.1)]
+EVERY_FAMILY = [entry.sharding for entry in CATALOG]
 
 
 @pytest.mark.parametrize("kind, engine, rules", [

@@ -10,9 +10,10 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import forge_kernels as fk
-from forge_verify import strategies as fst
-from forge_verify.problems import Problem
-from forge_verify.sharding import SHARDINGS, LayerCase, layers_match_slice
+from forge_verify.checks import strategies as fst
+from forge_verify.checks.catalog import CATALOG
+from forge_verify.checks.problems import Problem
+from forge_verify.distributed.sharding import SHARDINGS, LayerCase, layers_match_slice
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 
@@ -54,9 +55,7 @@ def test_sharded_update_equals_slice_in_low_precision_regimes(data, rank_pool):
 
 
 FIXED_PROBLEM = Problem(tokens=8, out_features=10, in_features=8, dtype=torch.float32, steps=2, seed=11)
-ONE_RULE_PER_FAMILY = [fk.AdamW(lr=1e-2, weight_decay=0.1), fk.Adam(lr=1e-2),
-                       fk.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-                       fk.Lion(lr=1e-3, weight_decay=0.1), fk.RMSprop(centered=True, momentum=0.5), fk.Adagrad(lr=0.1)]
+ONE_RULE_PER_FAMILY = [entry.sharding for entry in CATALOG]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import rn_bf16
-from forge_verify.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
-from forge_verify.philox import stochastic_round_reference
-from forge_verify.stats import hoeffding_radius, stagnation_radius
+from forge_verify.numerics.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
+from forge_verify.numerics.philox import stochastic_round_reference
+from forge_verify.numerics.stats import hoeffding_radius, stagnation_radius
 
 
 @pytest.mark.exactness

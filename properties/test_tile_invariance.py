@@ -2,7 +2,7 @@
 
 Claim: the bits do not depend on BLOCK_N or BLOCK_K (each element's token sum runs
 in the same order whatever tile it sits in). Whether BLOCK_T changes the bits is a
-per-backend finding (forge_verify.findings): asserted on a fixed problem so that a
+per-backend finding (forge_verify.numerics.findings): asserted on a fixed problem so that a
 change of behaviour is noticed, and where it does not, configs with different
 BLOCK_T are drawn into the invariance property too.
 """
@@ -13,10 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import forge_kernels as fk
-from forge_verify import claims, findings
-from forge_verify import strategies as fst
-from forge_verify.problems import Problem, make_inputs, run_rule
-from forge_verify.observations import observe
+from forge_verify.checks import claims
+from forge_verify.numerics import findings
+from forge_verify.checks import strategies as fst
+from forge_verify.checks.problems import Problem, make_inputs, run_rule
+from forge_verify.checks.observations import observe
 
 pytestmark = pytest.mark.exactness
 
@@ -49,7 +50,7 @@ def test_block_t_finding(dtype, device, backend):
     expected = findings.BLOCK_T_CHANGES_BITS[(backend, dtype)]
     assert differs == expected, (
         f"on {backend} with {dtype} activations BLOCK_T {'changed' if differs else 'did not change'} the "
-        f"gradient's bits, but forge_verify.findings records {expected}: update the finding and the README")
+        f"gradient's bits, but forge_verify.numerics.findings records {expected}: update the finding and the README")
     # The same holds one level up: the fused update inherits the gradient's bits.
     rule = fk.AdamW(lr=1e-3)
     w16, _ = run_rule(inputs, rule, config=fk.TileConfig(block_t=16))

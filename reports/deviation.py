@@ -14,7 +14,7 @@
 # # Deviation from the exact trajectory, per storage regime
 #
 # AdamW on a small seeded problem, stepped in every storage regime by three methods
-# (`forge_verify/deviation.py`): **forge** (the fused kernel; the gradient never leaves
+# (`forge_verify/checks/deviation.py`): **forge** (the fused kernel; the gradient never leaves
 # fp32 registers), **standard** (the kernel's gradient stored in the weight's dtype,
 # then the same epilogue) and **torch.optim** where its storage matches the regime.
 # Each is compared with the **exact trajectory**: exact gradient sums, the rule in
@@ -23,8 +23,8 @@
 #
 # The **proven bound** is the rigorous enclosure of the fused kernel's steps
 # ([proofs/reference_enclosure.md](../proofs/reference_enclosure.md), computed by
-# `forge_verify.reference.reference_step` over `ENCLOSURE` along
-# `forge_verify.claims.enclosure_trajectory`): it contains both the kernel's weight and
+# `forge_verify.checks.catalog.reference_step` over `ENCLOSURE` along
+# `forge_verify.checks.claims.enclosure_trajectory`): it contains both the kernel's weight and
 # the exact one, so each element's error is at most the enclosure's width there. It
 # bounds forge only; the standard pipeline's bf16 gradient store is not modelled.
 
@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 import forge_kernels as fk
-from forge_verify.claims import enclosure_trajectory
-from forge_verify.deviation import REGIMES, deviation_table, ulp_at
-from forge_verify.notebook import say, show, show_table
-from forge_verify.problems import Problem, make_inputs
+from forge_verify.checks.claims import enclosure_trajectory
+from forge_verify.checks.deviation import REGIMES, deviation_table, ulp_at
+from forge_verify.commands.notebook import say, show, show_table
+from forge_verify.checks.problems import Problem, make_inputs
 
 SETTINGS = {
     "fast": dict(size=8, tokens=16, steps=20, seed=0),

@@ -22,7 +22,7 @@
 # read and written once, bf16 activations read once) over the bandwidth and the matrix
 # FLOPs over the bf16 matrix rate, both measured in the benchmark's own run where the CSV
 # records `floor_ms`, else the memory term alone at the datasheet bandwidth
-# (`forge_verify.benchmark_results.row_floor_ms`).
+# (`forge_verify.commands.benchmark_results.row_floor_ms`).
 
 # %% tags=["parameters"]
 MODE = "full"  # the same in both modes: this report only reads recorded results
@@ -31,8 +31,8 @@ RESULTS = "benchmarks/results/*.csv"
 # %%
 import glob
 
-from forge_verify.benchmark_results import load_results, memory_figure, row_floor_ms, time_figure
-from forge_verify.notebook import say, show, show_table
+from forge_verify.commands.benchmark_results import load_results, memory_figure, row_floor_ms, time_figure
+from forge_verify.commands.notebook import say, show, show_table
 
 paths = sorted(glob.glob(RESULTS))
 rows = load_results(paths)
@@ -50,7 +50,7 @@ if rows:
     unknown = sorted({(r["gpu"], r["regime"]) for r in rows if row_floor_ms(r) is None})
     if unknown:
         say("No memory-traffic floor drawn for (gpu, regime) " + ", ".join(f"`{u}`" for u in unknown)
-            + ": its peak bandwidth or its storage formats are not known to `forge_verify.benchmark_results`.")
+            + ": its peak bandwidth or its storage formats are not known to `forge_verify.commands.benchmark_results`.")
 
 # %%
 if rows:

@@ -20,7 +20,7 @@
 # measures that frequency, shows what it buys over round-to-nearest (no stagnation),
 # and checks that neighbouring elements and successive streams are uncorrelated. The
 # thresholds are those of the proof: Hoeffding and Azuma radii at a false-alarm
-# probability of 1e-9 (`forge_verify.stats`), fixed before measuring; seeds are fixed.
+# probability of 1e-9 (`forge_verify.numerics.stats`), fixed before measuring; seeds are fixed.
 
 # %% tags=["parameters"]
 MODE = "full"  # "fast" is the CI setting (forge-verify report --mode fast)
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 import forge_kernels as fk
-from forge_verify.bits import bf16_bits, fp32_from_bits
-from forge_verify.notebook import say, show, show_table
-from forge_verify.stats import hoeffding_radius, stagnation_radius
+from forge_verify.numerics.bits import bf16_bits, fp32_from_bits
+from forge_verify.commands.notebook import say, show, show_table
+from forge_verify.numerics.stats import hoeffding_radius, stagnation_radius
 
 SETTINGS = {
     "fast": dict(values=32, samples=2**12, chains=512, additions=1000, pairs=2**14, lags=16),

@@ -241,11 +241,20 @@ def test_no_tokens_steps_with_zero_gradient(device):
     assert torch.all(w == torch.tensor(2.0) - torch.tensor(0.5) * (torch.tensor(0.1) * torch.tensor(2.0)))
 
 
-def test_empty_weight_is_a_no_op(device):
-    w = torch.empty(0, 7, device=device)
+@pytest.mark.parametrize("shape", [(0, 7), (5, 0)])
+def test_empty_weight_is_a_no_op(shape, device):
+    """An empty weight takes no step: nothing is launched or written, the state keeps
+    its (empty) tensors, a deferred report is clean, and the oracle path agrees."""
+    n, k = shape
+    w = torch.empty(n, k, device=device)
     rule = fk.AdamW()
-    fk.fused_weight_update(torch.randn(3, 7, device=device), torch.randn(3, 0, device=device), w,
-                           rule.init_state(w), rule, 1)
+    state = rule.init_state(w)
+    x, dy = torch.randn(3, k, device=device), torch.randn(3, n, device=device)
+    assert fk.fused_weight_update(x, dy, w, state, rule, 1) is None
+    assert w.shape == shape and all(v.shape == shape for v in state.values())
+    report = fk.fused_weight_update(x, dy, w, state, rule, 2, report="defer")
+    report.check()  # a clean report: nothing to raise
+    assert fk.fused_weight_update(x, dy, w, state, rule, 3, oracle=True) is None
 
 
 def _signless_update(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT):

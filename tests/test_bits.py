@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from forge_verify.bits import assert_bitwise_equal, first_difference, ordered_bits, ulp_distance
+from forge_verify.numerics.bits import assert_bitwise_equal, first_difference, ordered_bits, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

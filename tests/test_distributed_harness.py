@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from forge_verify.distributed import RankError, RankPool
-from forge_verify.sharding import device
+from forge_verify.distributed.ranks import RankError, RankPool
+from forge_verify.distributed.sharding import device
 
 pytestmark = pytest.mark.distributed
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify.bits import assert_bitwise_equal
+from forge_verify.numerics.bits import assert_bitwise_equal
 
 
 @pytest.mark.exactness

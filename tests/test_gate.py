@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from forge_verify import gate
-from forge_verify.gate_cases import canonical_cases
+from forge_verify.gate import baseline as gate
+from forge_verify.gate.cases import canonical_cases
 
 WHERE = "kernel fused_weight_update, rule sgd, regime 'fp32 weight, fp32 state', shape T=50 N=40 K=72"
 

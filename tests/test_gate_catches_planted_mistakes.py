@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from forge_verify.check import PROFILE_VARIABLE
-from forge_verify.gate import BASELINE, current_backend, load
+from forge_verify.checks.profiles import PROFILE_VARIABLE
+from forge_verify.gate.baseline import BASELINE, current_backend, load
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,8 +57,8 @@ MISTAKES = [
             ("properties/test_reference_closeness.py", "-k", "adamw")),
 ]
 
-# The interpreter's tl.dot ignores input_precision (a numpy matmul in fp32), so TF32 cannot
-# be planted where CI runs; compiled, a TF32 dot leaves the fp32 enclosure.
+# Interpreted, the tile loop does not call tl.dot (proofs/interpreter_reduction.md), so TF32
+# cannot be planted where CI runs; compiled, a TF32 dot leaves the fp32 enclosure.
 TF32 = Mistake("TF32 dot instead of full fp32", "ops/weight_gradient.py",
                'input_precision="ieee"', 'input_precision="tf32"',
                ("rule adamw", "exceeds its proven bound"),
@@ -76,8 +76,12 @@ def _planted(mistake: Mistake, tmp_path: Path) -> Path:
 
 
 def _run(args, planted: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(planted), os.environ.get("PYTHONPATH")])),
-               **{PROFILE_VARIABLE: "first-failure"})
+    """Run ``python args`` on the planted copy as a fresh, standalone process: the outer
+    run's pytest variables are dropped (under ``pytest -n`` the workers' PYTEST_XDIST_*
+    made the inner pytest start pytest-benchmark in xdist mode, whose warning is an error)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(planted), os.environ.get("PYTHONPATH")])),
+               **{PROFILE_VARIABLE: "ci"})
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -86,14 +90,15 @@ def _check_caught(mistake: Mistake, tmp_path: Path):
             current_backend() not in load(BASELINE)["backends"]:
         pytest.skip(f"no {current_backend()} baseline recorded yet: a changed bit cannot be seen without one")
     planted = _planted(mistake, tmp_path)
-    gate = _run(["-m", "forge_verify.cli", "gate", "--fail-fast"], planted)
+    gate = _run(["-m", "forge_verify.commands.cli", "gate", "--fail-fast"], planted)
     output = gate.stdout + gate.stderr
     assert f"kernels {planted / 'forge_kernels'}" in output, f"the gate did not run the planted copy:\n{output}"
     assert gate.returncode == 1, f"{mistake.name}: the gate did not fail (exit {gate.returncode}):\n{output}"
     for phrase in mistake.gate_says:
         assert phrase in output, f"{mistake.name}: the gate failed without saying {phrase!r}:\n{output}"
     if mistake.properties is not None:
-        suite = _run(["-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", *mistake.properties], planted)
+        suite = _run(["-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q",
+                      *mistake.properties], planted)
         assert suite.returncode == 1 and " failed" in suite.stdout, \
             f"{mistake.name}: the properties did not catch it (exit {suite.returncode}):\n{suite.stdout[-3000:]}"
 

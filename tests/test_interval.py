@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify import claims
-from forge_verify.interval import Interval
-from forge_verify.problems import Problem
-from forge_verify.reference import ENCLOSURE, POINT, reference_step
+from forge_verify.checks import claims
+from forge_verify.numerics.interval import Interval
+from forge_verify.checks.problems import Problem
+from forge_verify.checks.catalog import reference_step
+from forge_verify.numerics.reference import ENCLOSURE, POINT
 
 
 def _fp32(rng, n, scale=1.0):
@@ -89,7 +90,7 @@ def test_torch_optim_distance_is_zero_where_the_operation_order_is_the_same(devi
     """Plain SGD with a power-of-two learning rate: lr*g is exact, so w - lr*g rounds once
     whether or not torch fuses it into an FMA: 0 ulp. A measurement that reported a
     distance here would be feeding torch.optim a different gradient."""
-    from forge_verify.torch_optim import distance_to_torch_optim
+    from forge_verify.checks.torch_optim import distance_to_torch_optim
 
     problem = Problem(tokens=50, out_features=20, in_features=30, dtype=torch.float32, steps=3, seed=2)
     assert int(distance_to_torch_optim(problem, fk.SGD(lr=0.0625), device).max()) == 0
@@ -99,7 +100,7 @@ def test_torch_optim_distance_is_zero_where_the_operation_order_is_the_same(devi
 def test_exact_trajectory_check_resolves_a_few_fp32_ulps(monkeypatch, backend):
     """The mpmath property is not vacuous: an exact trajectory off by one part in a
     million (about eight fp32 ulps) is reported outside the enclosure."""
-    from forge_verify import claims as claims_module
+    from forge_verify.checks import claims as claims_module
 
     problem = Problem(tokens=16, out_features=6, in_features=6, dtype=torch.float32, steps=2, seed=2)
     rule = fk.SGD(lr=0.1, momentum=0.9)

@@ -9,9 +9,9 @@ import torch
 import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import stream_seed
 from forge_verify import assert_bitwise_equal
-from forge_verify.claims import decoded_state
-from forge_verify.philox import stochastic_round_reference
-from forge_verify.stats import freedman_radius
+from forge_verify.checks.claims import decoded_state
+from forge_verify.numerics.philox import stochastic_round_reference
+from forge_verify.numerics.stats import freedman_radius
 
 
 def _problem(device, n=20, k=36, t=24, seed=0):

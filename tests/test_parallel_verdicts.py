@@ -3,8 +3,8 @@ shard must equal, and an equality that tells a changed bit from none."""
 
 import torch
 
-from forge_verify.parallel_verdicts import _equal
-from forge_verify.sharding import expected_slices
+from forge_verify.distributed.parallel_verdicts import _equal
+from forge_verify.distributed.sharding import expected_slices
 
 
 def _whole():

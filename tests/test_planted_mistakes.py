@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 import forge_kernels as fk
-from forge_verify import claims
-from forge_verify.problems import Problem
+from forge_verify.checks import claims
+from forge_verify.checks.problems import Problem
 
 
 @triton.jit
@@ -50,10 +50,10 @@ def test_unchanged_rule_passes_the_same_check(device):
 def test_different_token_block_on_one_path_is_caught(device, backend):
     """Configs chosen per shape (here: a different BLOCK_T) break exactness wherever
     BLOCK_T changes the bits; the claim function reports it."""
-    from forge_verify import findings
+    from forge_verify.numerics import findings
 
     if not findings.BLOCK_T_CHANGES_BITS[(backend, torch.float32)]:
-        pytest.skip(f"on {backend} BLOCK_T does not change fp32 bits (forge_verify.findings)")
+        pytest.skip(f"on {backend} BLOCK_T does not change fp32 bits (forge_verify.numerics.findings)")
     problem = Problem(tokens=512, out_features=40, in_features=24, dtype=torch.float32, steps=1, seed=5)
     with pytest.raises(AssertionError, match="differ bitwise"):
         claims.tiling_invariant(problem, fk.SGD(lr=0.1), fk.TileConfig(block_t=16), fk.TileConfig(block_t=64),

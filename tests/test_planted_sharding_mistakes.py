@@ -7,8 +7,8 @@ import torch
 
 import forge_kernels as fk
 import forge_kernels.parallel_linear as parallel_linear
-from forge_verify.problems import Problem, Regime
-from forge_verify.sharding import LayerCase, layers_match_slice
+from forge_verify.checks.problems import Problem, Regime
+from forge_verify.distributed.sharding import LayerCase, layers_match_slice
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 

@@ -16,9 +16,9 @@ from forge_kernels import q8
 from forge_kernels.ops.q8_codec import q8_encode
 from forge_kernels.ops.stochastic_round import stream_seed
 from forge_verify import assert_bitwise_equal
-from forge_verify.claims import decoded_state
-from forge_verify.philox import philox_randint, philox_words
-from forge_verify.tolerances import UNIT_ROUNDOFF, gamma
+from forge_verify.checks.claims import decoded_state
+from forge_verify.numerics.philox import philox_randint, philox_words
+from forge_verify.numerics.tolerances import UNIT_ROUNDOFF, gamma
 
 
 def _problem(device, n=24, k=70, t=40, seed=0):

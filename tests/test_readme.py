@@ -56,7 +56,7 @@ def _run_parallelism_example(source):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from forge_verify.sharding import device
+    from forge_verify.distributed.sharding import device
     dev = device()
     rule = fk.AdamW()
     shard = torch.randn(2, 4, device=dev)
@@ -77,8 +77,8 @@ def test_parallelism_example_runs(rank_pool):
 
 def test_readme_counts_match_the_code():
     """The counts the README states follow the code they describe."""
-    from forge_verify.deviation import REGIMES
-    from forge_verify.gate_cases import RULES, canonical_cases
+    from forge_verify.checks.problems import REGIMES
+    from forge_verify.gate.cases import RULES, canonical_cases
 
     words = {10: "ten"}
     text = README.read_text()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify.reference import POINT, reference_step
+from forge_verify.checks.catalog import reference_step
+from forge_verify.numerics.reference import POINT
 
 CASES = [
     (fk.AdamW(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),

@@ -12,7 +12,7 @@ nbformat = pytest.importorskip("nbformat")
 CellExecutionError = pytest.importorskip("nbclient.exceptions").CellExecutionError
 
 from forge_verify import benchmark_results, report  # noqa: E402
-from forge_verify.cli import main  # noqa: E402
+from forge_verify.commands.cli import main  # noqa: E402
 
 PERFORMANCE = report.REPORTS / "performance.py"
 

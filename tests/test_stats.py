@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from forge_verify.stats import azuma_radius, freedman_radius, hoeffding_radius
+from forge_verify.numerics.stats import azuma_radius, freedman_radius, hoeffding_radius
 
 
 def test_hoeffding_radius_meets_its_bound():

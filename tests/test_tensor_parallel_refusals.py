@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import forge_kernels as fk
-from forge_verify.sharding import device
+from forge_verify.distributed.sharding import device
 
 pytestmark = pytest.mark.distributed
 

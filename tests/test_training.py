@@ -1,7 +1,7 @@
 """Trainer: fused and unfused parameters in one step, a scheduler driving the fused lr,
 exact global-norm clipping, gradient accumulation, layers without tokens, checkpoints.
 
-The reference is the standard pipeline (``forge_verify.pipelines``): the fused kernel's
+The reference is the standard pipeline (``forge_verify.checks.pipelines``): the fused kernel's
 gradient materialized where torch keeps ``.grad``, ``clip_grad_norm_``, the oracle's
 epilogue. Models are tiny: kernels run in the Triton interpreter here.
 """
@@ -16,9 +16,9 @@ from torch import nn
 import forge_kernels as fk
 from forge_kernels.rules.sgd import SGDMicroBatch
 from forge_verify import assert_bitwise_equal
-from forge_verify.clipping_spike import spike_study
-from forge_verify.pipelines import StandardPipeline
-from forge_verify.tiny_gpt import GPT, GPTConfig
+from forge_verify.commands.clipping_spike import spike_study
+from forge_verify.checks.pipelines import StandardPipeline
+from forge_verify.models.tiny_gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2, n_embd=32)
 

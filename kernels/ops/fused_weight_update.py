@@ -227,7 +227,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
                                 DEVICE_SCALARS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                                SPLIT: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
+                                SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -235,7 +235,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     mask_n = offs_n < N
     mask_k = offs_k < K
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
@@ -383,7 +383,7 @@ class _Epilogue:
             self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             SPLIT=config.epilogue_split,
-            UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16, **config.launch_options())
+            INTERPRETED=interpreting(), **config.launch_options())
 
     def report(self, report: str, num_inputs: int, captured: bool = False):
         """The call's outcome: raised now (``"raise"``, one read of the status) or

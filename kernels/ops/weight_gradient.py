@@ -14,42 +14,66 @@ from .validation import check_activations
 def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                       offs_n, offs_k, mask_n, mask_k,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      UPCAST_OPERANDS: tl.constexpr):
+                      INTERPRETED: tl.constexpr):
     """One (BLOCK_N, BLOCK_K) tile of dYᵀX, reduced over all T tokens in BLOCK_T chunks.
 
-    The accumulator is threaded through ``tl.dot`` (never ``acc += dot``), and the
-    token loop runs in one fixed order, so each element's reduction order depends on
-    BLOCK_T and the backend's dot, never on which path (fused or oracle) runs it.
+    The token loop runs in one fixed order, so each element's reduction order depends
+    on BLOCK_T and the backend, never on which path (fused or oracle) runs it.
+    Compiled, the accumulator is threaded through ``tl.dot`` (never ``acc += dot``).
+    Interpreted, ``tl.dot`` would be a numpy matmul, whose BLAS rounds an element's
+    sum differently by its place in the block and by CPU; the block is instead summed
+    by ``_token_block_sum`` in a fixed order that no library chooses.
     """
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
-        dy_tile = tl.load(dy_ptr + offs_n[:, None] * stride_dyn + offs_t[None, :] * stride_dyt,
-                          mask=mask_n[:, None] & mask_t[None, :], other=0.0)
-        x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                         mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-        if UPCAST_OPERANDS:
-            # The interpreter's tl.dot is wrong on bf16 operands; bf16 x bf16 products
-            # are exact in fp32, so upcasting first changes nothing but the bug.
-            dy_tile = dy_tile.to(tl.float32)
-            x_tile = x_tile.to(tl.float32)
-        # "ieee": full fp32 products on GPU rather than TF32 (ignored for bf16 operands).
-        acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
+        if INTERPRETED:
+            dy_rows = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_n[None, :] * stride_dyn,
+                              mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+            x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                             mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+            acc = acc + _token_block_sum(dy_rows, x_tile, BLOCK_T)
+        else:
+            dy_tile = tl.load(dy_ptr + offs_n[:, None] * stride_dyn + offs_t[None, :] * stride_dyt,
+                              mask=mask_n[:, None] & mask_t[None, :], other=0.0)
+            x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                             mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+            # "ieee": full fp32 products on GPU rather than TF32 (ignored for bf16 operands).
+            acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def _token_block_sum(dy_rows, x_rows, BLOCK_T: tl.constexpr):
+    """sum over t of dy_rows[t, n] * x_rows[t, k], for the interpreter: each product
+    rounded to fp32 (exact for bf16 operands), then added left to right in token order
+    starting from the first, every addition rounded once.
+
+    The sequence of operations of element (n, k) reads only column n of dy and column k
+    of x: no BLAS, no dependence on where the element sits in the tile, on BLOCK_N or
+    BLOCK_K, on the CPU or on the thread count (proofs/interpreter_reduction.md). The
+    running sums are a cumulative sum along the token axis (numpy's add.accumulate: by
+    definition each prefix is the previous one plus the next term); the last prefix is
+    then picked by a sum in which every other term is +0, exact in any order.
+    """
+    products = dy_rows.to(tl.float32)[:, :, None] * x_rows.to(tl.float32)[:, None, :]
+    prefixes = tl.cumsum(products, axis=0)
+    last = (tl.arange(0, BLOCK_T) == BLOCK_T - 1)[:, None, None]
+    return tl.sum(tl.where(last, prefixes, 0.0), axis=0)
 
 
 @triton.jit
 def _weight_grad_kernel(x_ptr, dy_ptr, grad_ptr, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                        UPCAST_OPERANDS: tl.constexpr):
+                        INTERPRETED: tl.constexpr):
     """Oracle, first half: the same tile loop, its fp32 result stored as dW."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_k = offs_k < K
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST_OPERANDS)
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED)
     tl.store(grad_ptr + offs_n[:, None] * K + offs_k[None, :], g, mask=mask_n[:, None] & mask_k[None, :])
 
 
@@ -63,7 +87,7 @@ def launch_weight_gradient(x, dy, config: TileConfig) -> torch.Tensor:
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))
     _weight_grad_kernel[grid](x, dy, grad, T, N, K, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
-                              UPCAST_OPERANDS=interpreting() and x.dtype == torch.bfloat16,
+                              INTERPRETED=interpreting(),
                               **config.launch_options())
     return grad
 

@@ -1,0 +1,87 @@
+"""The pytest set-up every run of the claims needs, as a plugin: the hypothesis profile,
+the markers, the warning filters, backend skips and the ``device``, ``backend`` and
+``rank_pool`` fixtures.
+
+The checkout's ``conftest.py`` loads it for ``make test``; ``forge-verify check`` loads it
+with ``-p``, so the properties also run from an installed package, where no conftest is.
+"""
+
+import pytest
+import torch
+
+import forge_kernels as fk
+
+from .checks.profiles import load_profile
+from .distributed.ranks import RankPools
+
+load_profile()
+
+MARKERS = (
+    "exactness: bitwise claims (fused == oracle, determinism, invariances)",
+    "interpreter: needs the Triton CPU interpreter (skipped when kernels run compiled)",
+    "gpu: needs a CUDA GPU (skipped without one)",
+    "multigpu: needs two or more CUDA GPUs",
+    "distributed: starts several processes in one process group (gloo on the CPU, NCCL on GPUs)",
+    "stats: statistical tests with fixed seeds and thresholds derived in advance",
+    "mpmath: arbitrary-precision references",
+    "slow: long sweeps, left out of the default run (select with -m slow)",
+)
+
+WARNING_FILTERS = (
+    "error",
+    "ignore::DeprecationWarning:triton.*",
+    # torch's autograd thread issues its first cuBLAS call on GPU before a context is current; benign
+    "ignore:Attempting to run cuBLAS, but there was no current CUDA context:UserWarning",
+)
+
+
+def pytest_configure(config):
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+    for line in WARNING_FILTERS:
+        config.addinivalue_line("filterwarnings", line)
+
+
+def pytest_report_header(config):
+    backend = "Triton interpreter (CPU)" if fk.interpreting() else f"compiled on {torch.cuda.get_device_name()}"
+    return f"forge kernels: {backend}"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none on this machine")
+    if item.get_closest_marker("multigpu") and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    if item.get_closest_marker("interpreter") and not fk.interpreting():
+        pytest.skip("checks interpreter behaviour; kernels run compiled here")
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The device kernel inputs live on: cuda when compiled, cpu under the interpreter."""
+    return fk.kernel_device()
+
+
+@pytest.fixture(scope="session")
+def backend():
+    """The accumulation backend name used by the tolerance table."""
+    return "interpreter" if fk.interpreting() else "gpu"
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture(scope="session")
+def rank_pool(rank_pools):
+    """``rank_pool(world_size)``: a live pool of that many ranks; skips where NCCL has
+    fewer GPUs than ranks."""
+    def get(world_size):
+        if rank_pools.backend == "nccl" and torch.cuda.device_count() < world_size:
+            pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs; this machine has "
+                        f"{torch.cuda.device_count()}")
+        return rank_pools.get(world_size)
+    return get
