@@ -1,7 +1,6 @@
 """Closeness: the fused update lies inside the rigorous enclosure of the exact step
 (proofs/reference_enclosure.md) in every storage regime, as does the float64 reference;
-the distance between kernel and float64 reference is reported in ulps of the weight's
-dtype."""
+the share of the proven radius the kernel's result uses is reported."""
 
 import pytest
 from hypothesis import given
@@ -9,7 +8,7 @@ from hypothesis import strategies as st
 
 from forge_verify.checks import claims
 from forge_verify.checks import strategies as fst
-from forge_verify.checks.observations import observe
+from forge_verify.checks.observations import RADIUS, observe
 
 
 @pytest.mark.parametrize("family", sorted(fst.RULES))
@@ -20,4 +19,4 @@ def test_update_inside_proven_enclosure(family, data, device, backend):
     config = data.draw(fst.tile_configs(), label="config")
     regime = data.draw(fst.regimes(), label="regime")
     config = fst.fit_config(config, regime)
-    observe(claims.within_enclosure(problem, rule, config, device, backend, regime=regime))
+    observe(claims.within_enclosure(problem, rule, config, device, backend, regime=regime), RADIUS)

@@ -11,7 +11,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 CellExecutionError = pytest.importorskip("nbclient.exceptions").CellExecutionError
 
-from forge_verify import benchmark_results, report  # noqa: E402
+from forge_verify.commands import benchmark_results, report  # noqa: E402
 from forge_verify.commands.cli import main  # noqa: E402
 
 PERFORMANCE = report.REPORTS / "performance.py"

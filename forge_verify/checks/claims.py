@@ -8,7 +8,7 @@ import torch
 
 import forge_kernels as fk
 
-from ..numerics.bits import assert_bitwise_equal, ulp_distance
+from ..numerics.bits import assert_bitwise_equal
 from ..numerics.interval import Interval
 from ..numerics.mpref import MPMATH, PRECISION_BITS, exact_weight_grad, to_float64
 from ..numerics.reference import ENCLOSURE, POINT, weight_grad, weight_grad_enclosure
@@ -100,8 +100,9 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     (half a bf16 ulp to nearest, under one ulp stochastically). The float64 reference,
     which stores nothing rounded, lies inside too.
 
-    Returns the largest ulp distance (in the weight's dtype) between the kernel's weight
-    and the float64 reference rounded to that dtype.
+    Returns the largest share of the proven radius the kernel's weight and state use
+    (``Interval.use``: at most 1, since they lie inside): a measure that stays meaningful
+    where an ulp distance is not, at weights near 0 whose ulp is tiny.
     """
     inputs = make_inputs(problem, device, regime)
     weight, state, w_ref, s_ref, w_enc, s_enc = enclosed_run(inputs, rule, config, regime, backend)
@@ -112,9 +113,7 @@ def within_enclosure(problem, rule, config, device, backend, *, regime=FP32) -> 
     for slot in rule.slots:
         _assert_inside(s_enc[slot], state[slot], f"kernel state[{slot!r}] {what}")
         _assert_inside(s_enc[slot], s_ref[slot], f"float64 reference state[{slot!r}] {what}")
-    if weight.numel() == 0:
-        return 0.0
-    return float(ulp_distance(weight.detach().cpu(), w_ref.to(weight.dtype)).max())
+    return max([w_enc.use(weight), *(s_enc[slot].use(state[slot]) for slot in rule.slots)])
 
 
 def exact_inside_enclosure(problem, rule, backend, *, regime=FP32) -> None:

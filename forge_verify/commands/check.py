@@ -31,30 +31,98 @@ def properties_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "properties"
 
 
+#: hypothesis's phases whose examples count as checked (shrinking only re-runs them)
+_COUNTED_PHASES = ("explicit", "reuse", "generate")
+#: the table's widths: it must read at 100 columns (the full ids go to the details file)
+_WIDTH = {"property": 28, "case": 14, "verdict": 16}
+
+
+def _examples_run(statistics: dict) -> int:
+    """Examples hypothesis ran to completion (passing or failing), from the statistics it
+    hands its collector (``hypothesis.statistics``; tests/test_check_report.py notices if
+    that format changes)."""
+    return sum(1 for phase in _COUNTED_PHASES for case in statistics.get(f"{phase}-phase", {}).get("test-cases", ())
+               if case["status"] in ("valid", "interesting"))
+
+
 class _Collector:
+    """Each test's outcome, skip reason, and, for a hypothesis property, how many
+    examples it ran."""
+
     def __init__(self):
-        self.rows = {}
+        self.rows, self.reasons, self.examples = {}, {}, {}
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_call(self, item):
+        from hypothesis.statistics import collector
+        outer = collector.value
+
+        def note(statistics):
+            self.examples[item.nodeid] = _examples_run(statistics)
+            if outer is not None:
+                outer(statistics)
+
+        with collector.with_value(note):
+            yield
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             self.rows[report.nodeid] = "skipped" if report.skipped else report.outcome
+            if report.skipped and isinstance(report.longrepr, tuple):
+                self.reasons[report.nodeid] = report.longrepr[2].removeprefix("Skipped: ")
 
 
 def _split(nodeid: str):
-    """'properties/test_a.py::test_b[adamw]' -> ('test_b', 'adamw')."""
+    """'properties/test_a.py::test_b[adamw]' -> ('b', 'adamw')."""
     name = nodeid.split("::")[-1]
     match = re.fullmatch(r"(?P<prop>[^\[]+)(\[(?P<param>.*)\])?", name)
     return match["prop"].removeprefix("test_"), match["param"] or "-"
 
 
-def format_table(rows) -> str:
-    lines = []
-    for nodeid, verdict in rows.items():
-        prop, param = _split(nodeid)
-        seen = observations.observed(nodeid)
-        worst = f"{max(seen):g} ulp" if seen else "-"
-        lines.append((prop, param, str(len(seen)), "holds" if verdict == "passed" else verdict.upper(), worst))
-    return render_table(("property", "rule/case", "examples", "verdict", "worst deviation"), lines)
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _worst(seen) -> str:
+    if not seen:
+        return "-"
+    value, unit = max(seen)
+    if unit == observations.ULP and value == 0:
+        return "bitwise"
+    return f"{value:.3g} {unit}"
+
+
+def verdicts(collector) -> list:
+    """(node id, property, case, examples, verdict, worst) per test run. Examples are
+    hypothesis's own count; a property told to run none is skipped by hypothesis, with
+    its reason, so nothing that ran no example reads "holds"."""
+    out = []
+    for nodeid, outcome in collector.rows.items():
+        prop, case = _split(nodeid)
+        examples = collector.examples.get(nodeid)
+        if outcome == "passed":
+            verdict = "holds"
+        elif outcome == "skipped":
+            verdict = f"skipped: {collector.reasons.get(nodeid, 'no reason given')}"
+        else:
+            verdict = outcome.upper()
+        count = "1 case" if examples is None else str(examples)
+        out.append((nodeid, prop, case, count, verdict, _worst(observations.observed(nodeid))))
+    return out
+
+
+def format_table(rows, short=True) -> str:
+    """The verdict table; ``short`` cuts names and verdicts to read at 100 columns."""
+    def cut(text, column):
+        return _short(text, _WIDTH[column]) if short else text
+    lines = [(cut(prop, "property"), cut(case, "case"), count, cut(verdict, "verdict"), worst)
+             for _, prop, case, count, verdict, worst in rows]
+    return render_table(("property", "case", "examples", "verdict", "worst"), lines)
+
+
+def format_details(rows) -> str:
+    return "\n".join(f"{nodeid}\n    examples: {count}; verdict: {verdict}; worst: {worst}"
+                      for nodeid, _, _, count, verdict, worst in rows)
 
 
 def format_torch_optim_table(rows) -> str:
@@ -62,7 +130,10 @@ def format_torch_optim_table(rows) -> str:
     return render_table(("rule", "activations", "median ulp", "max ulp", "max |diff| / (eps max|w|)"), lines)
 
 
-def run_check(marker: str = "not slow", extra_args=()) -> int:
+DETAILS = "build/forge-verify-check.txt"
+
+
+def run_check(marker: str = "not slow", extra_args=(), details_path=DETAILS) -> int:
     properties = properties_dir()
     if not properties.is_dir():
         print(f"forge-verify check: no properties at {properties}: the installation is incomplete",
@@ -74,20 +145,27 @@ def run_check(marker: str = "not slow", extra_args=()) -> int:
     collector = _Collector()
     # -v with the count style names each property as it starts ("[12/140] ...::test_x
     # [adamw]"), so a long one is seen running; the plugin brings markers and fixtures
-    # where no conftest is (an installed package).
+    # where no conftest is (an installed package). hypothesis is already imported here (the
+    # catalog's strategies), so pytest cannot rewrite its asserts, and says so: not ours to fix.
     args = [str(properties), "-m", marker, "-p", "forge_verify.pytest_plugin", "-p", "no:cacheprovider",
+            "-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning",
             "--strict-markers", "-o", "xfail_strict=true", "-v", "-o", "console_output_style=count",
             f"--rootdir={properties.parent}", *extra_args]
     code = pytest.main(args, plugins=[collector])
+    rows = verdicts(collector)
     print()
-    print(format_table(collector.rows))
+    print(format_table(rows))
+    print("worst: over the examples, what each property measured: 'bitwise' for exact claims, the share of the")
+    print("proven radius used for enclosure claims (at most 1 when the claim holds).")
+    details = Path(details_path)
+    details.parent.mkdir(parents=True, exist_ok=True)
+    details.write_text(format_details(rows) + "\n")
+    print(f"every test's full id and case: {details}")
     print()
     print("Distance to torch.optim given the same gradient (3 steps, 4 seeds; measured, no bound asserted):")
     print(format_torch_optim_table(measure(fk.kernel_device())))
-    failed = [n for n, v in collector.rows.items() if v == "failed"]
+    counts = {kind: sum(1 for row in rows if row[4].startswith(kind)) for kind in ("holds", "skipped")}
     print()
-    if code == 0:
-        print(f"forge-verify check: all {len(collector.rows)} properties hold")
-    else:
-        print(f"forge-verify check: {len(failed)} of {len(collector.rows)} properties FAILED (pytest exit {int(code)})")
+    print(f"forge-verify check: {counts['holds']} of {len(rows)} hold, {len(rows) - sum(counts.values())} failed, "
+          f"{counts['skipped']} skipped (pytest exit {int(code)})")
     return int(code)

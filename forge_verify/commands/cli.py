@@ -1,4 +1,5 @@
-"""The ``forge-verify`` command."""
+"""forge-verify: check the FORGE kernels' numerical claims (properties, the kernel-change
+gate, error-bound reports) and run the demos and studies."""
 
 import argparse
 import copy
@@ -15,7 +16,7 @@ from ..checks.profiles import PROFILE_VARIABLE
 from ..distributed.parallel_verdicts import record_parallel_verdicts
 from ..gate import baseline as gate
 from . import demo, report
-from .check import run_check
+from .check import DETAILS, run_check
 from .sharding_report import sharding_report
 
 
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     check.add_argument("--profile", default=None,
                        help=f"hypothesis profile (dev, ci, nightly); default: ${PROFILE_VARIABLE} or ci")
     check.add_argument("-k", dest="keyword", default=None, help="only properties matching this pytest -k expression")
+    check.add_argument("--details", default=DETAILS,
+                       help=f"file for every test's full id, case and verdict (default {DETAILS})")
     deviation = commands.add_parser("deviation", help="measure each storage regime's drift from the exact "
                                                       "(mpmath) trajectory: FORGE vs the materialized pipeline")
     deviation.add_argument("--steps", default="1,10,100", help="checkpoints, comma-separated (default 1,10,100)")
@@ -39,7 +42,8 @@ def main(argv=None) -> int:
     deviation.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
     demo_parser = commands.add_parser("demo", help="train a small GPT on shipped text: FORGE fused vs oracle (bitwise) "
                                                    "vs torch.optim.AdamW (loss, memory); writes a plot")
-    demo_parser.add_argument("--size", choices=sorted(demo.SIZES), default="small", help="model and batch size")
+    demo_parser.add_argument("--size", choices=sorted(demo.SIZES), default="small",
+                             help="model and batch size (default small)")
     demo_parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's)")
     demo_parser.add_argument("--out", default=None, help="output folder (default: $OUT, else ./demo_out)")
     sharding = commands.add_parser("sharding", help="measure TP/SP against the unsharded model, and data/context "
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
         # The main job is deterministic unless asked otherwise.
         os.environ[PROFILE_VARIABLE] = args.profile or os.environ.get(PROFILE_VARIABLE, "ci")
         extra = ["-k", args.keyword] if args.keyword else []
-        return run_check(extra_args=extra)
+        return run_check(extra_args=extra, details_path=args.details)
     if args.command == "deviation":
         checkpoints = tuple(int(s) for s in args.steps.split(","))
         rule = copy.copy(DEVIATION_RULES[args.rule])
@@ -69,8 +73,10 @@ def main(argv=None) -> int:
         print(format_rows(deviation_table(rule, problem, checkpoints)))
         return 0
     if args.command == "demo":
-        result = demo.run_demo(args.size, steps=args.steps, out=args.out or demo.default_out())
+        out = args.out or demo.default_out()
+        result = demo.run_demo(args.size, steps=args.steps, out=out)
         print(demo.format_result(result))
+        print(f"wrote {os.path.join(out, 'demo.json')} and {os.path.join(out, 'demo_loss.png')}")
         return 0 if result["fused_equals_oracle_bitwise"] else 1
     if args.command == "sharding":
         if args.record:

@@ -190,16 +190,25 @@ def _plot(result, path):
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    styles = {"fused": dict(lw=2.5), "oracle": dict(ls="--", lw=1.2), "torch": dict(lw=1.2)}
-    labels = {"fused": "FORGE fused AdamW", "oracle": "FORGE oracle (materialized dW)", "torch": "torch.optim.AdamW"}
-    for run in RUNS:
-        ax.plot(range(1, len(result["runs"][run]["losses"]) + 1), result["runs"][run]["losses"], label=labels[run],
-                **styles[run])
-    ax.set_xlabel("step")
+    # Fused and oracle losses are equal bit for bit, so one curve would hide the other: the
+    # top panel draws the oracle as markers on the fused line, the bottom one the differences.
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    losses = {run: result["runs"][run]["losses"] for run in RUNS}
+    steps = range(1, len(losses["fused"]) + 1)
+    every = max(1, len(steps) // 20)
+    ax.plot(steps, losses["fused"], lw=2.5, label="FORGE fused AdamW")
+    ax.plot(steps, losses["oracle"], ls="none", marker="o", ms=4, markevery=every,
+            label="FORGE oracle (materialized dW), markers")
+    ax.plot(steps, losses["torch"], lw=1.2, label="torch.optim.AdamW")
     ax.set_ylabel("training loss (cross-entropy, nats)")
     ax.set_title(f"tiny GPT on the shipped tales ({result['size']}, {result['backend']})")
     ax.legend()
+    diff.plot(steps, [a - b for a, b in zip(losses["fused"], losses["oracle"])], label="fused - oracle (0: bitwise)")
+    diff.plot(steps, [a - b for a, b in zip(losses["fused"], losses["torch"])], label="fused - torch.optim")
+    diff.axhline(0, color="black", lw=0.5)
+    diff.set_xlabel("step")
+    diff.set_ylabel("loss difference (nats)")
+    diff.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -50,12 +50,7 @@ def _enclosure_statistics(enclosures: dict, values: dict) -> dict:
     for name, enclosure in enclosures.items():
         value = values[name].detach().cpu().double()
         outside += int((~enclosure.contains(value)).sum())
-        centre = (enclosure.lo + enclosure.hi) / 2
-        distance = (value - centre).abs()
-        ratio = torch.where(enclosure.radius > 0, distance / enclosure.radius,
-                            torch.where(distance == 0, 0.0, torch.inf))
-        if ratio.numel():
-            use = max(use, float(ratio.max()))
+        use = max(use, enclosure.use(value))
     return {"outside_enclosure": outside, "enclosure_use": use}
 
 

@@ -185,5 +185,14 @@ class Interval:
     def radius(self) -> torch.Tensor:
         return (self.hi - self.lo) / 2
 
+    def use(self, value: torch.Tensor) -> float:
+        """The largest share of the proven radius ``value`` takes: max |value - centre| /
+        radius over the elements (0 for an empty tensor; inf where a zero-radius element
+        differs). At most 1 exactly when every element lies inside."""
+        v = value.detach().cpu().to(_F64)
+        distance = (v - (self.lo + self.hi) / 2).abs()
+        ratio = torch.where(self.radius > 0, distance / self.radius, torch.where(distance == 0, 0.0, torch.inf))
+        return float(ratio.max()) if ratio.numel() else 0.0
+
     def __repr__(self):
         return f"Interval(lo={self.lo}, hi={self.hi})"
