@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 
 COLUMNS = ("gpu", "torch", "triton", "commit", "n", "k", "tokens", "regime", "method",
            "median_ms", "min_ms", "max_ms", "peak_bytes")
-_INTEGER = ("n", "k", "tokens", "peak_bytes")
+_INTEGER = ("n", "k", "tokens")
 _REAL = ("median_ms", "min_ms", "max_ms")
 
 #: peak HBM bandwidth by GPU name (bytes/s), from the vendor's datasheet
@@ -44,6 +44,9 @@ def load_results(paths) -> list:
                 row = dict(record, source=str(path))
                 row.update({c: int(record[c]) for c in _INTEGER})
                 row.update({c: float(record[c]) for c in _REAL})
+                # Empty for a method whose memory is not measured per step (a CUDA-graph replay:
+                # its memory was allocated in the graph's pool at capture).
+                row["peak_bytes"] = int(record["peak_bytes"]) if record["peak_bytes"] else None
                 row["floor_ms"] = float(record["floor_ms"]) if record.get("floor_ms") else None
                 rows.append(row)
     return rows
@@ -137,7 +140,9 @@ def memory_figure(rows):
     fig, axes = _grid(len(groups))
     for ax, ((gpu, n, k, regime), methods) in zip(axes, sorted(groups.items())):
         for method, points in sorted(methods.items()):
-            points = sorted(points, key=lambda r: r["tokens"])
+            points = sorted((r for r in points if r["peak_bytes"] is not None), key=lambda r: r["tokens"])
+            if not points:
+                continue
             ax.plot([r["tokens"] for r in points], [r["peak_bytes"] / 2**20 for r in points], marker="o", ms=4,
                     label=method)
         _label_panel(ax, "extra device memory during the step (MiB)", gpu, n, k, regime)
