@@ -184,10 +184,13 @@ def test_hyperparameter_changed_to_invalid_value_is_refused_at_launch(good):
 @pytest.mark.parametrize("where", ["x", "dy"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_inputs_write_nothing(good, where, value):
+    """The error counts each input's non-finite elements under the input's name."""
     x, dy, w, state, rule = good
     (x if where == "x" else dy)[3, 4] = value
+    (x if where == "x" else dy)[5, 1] = value
+    counts = "x: 2, dy: 0" if where == "x" else "x: 0, dy: 2"
     before = (w.clone(), {k: v.clone() for k, v in state.items()})
-    with pytest.raises(fk.NonFiniteInputError, match="nothing was updated"):
+    with pytest.raises(fk.NonFiniteInputError, match=f"NaN or infinite elements in {counts}; nothing was updated"):
         _call(x, dy, w, state, rule)
     assert torch.equal(w, before[0])
     assert all(torch.equal(state[k], before[1][k]) for k in state)
