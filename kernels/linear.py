@@ -389,7 +389,8 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     both uses.
 
     The module tree, names and Parameter objects are unchanged. Refused with a clear
-    error: a Linear whose weight is registered anywhere else in the model (tied),
+    error: a model in which no layer would be fused (no nn.Linear outside ``exclude``;
+    the error names the trainable modules skipped and why), a Linear whose weight is registered anywhere else in the model (tied),
     Hugging Face's ``Conv1D`` (GPT-2's transposed linear; convert it with
     ``forge_kernels.hf.conv1d_to_linear`` first) and subclasses of nn.Linear, whose forward may bypass ``nn.Linear.forward``
     (e.g. MultiheadAttention's out_proj) and would leave the weight silently unfused.
@@ -428,12 +429,34 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
                                      "a fused weight must get exactly one gradient per step. Leave the layer "
                                      f"to the torch optimizer with fuse(..., exclude=[{qualified!r}])")
                 targets.append((module, child_name, qualified, child))
+    if not targets:
+        raise ValueError(_nothing_to_fuse(model, exclude))
     check_seed(seed)
     for index, (parent, child_name, qualified, linear) in enumerate(targets):
         setattr(parent, child_name, ForgeLinear.from_linear(
             linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
             seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
     return model
+
+
+def _nothing_to_fuse(model: nn.Module, exclude: set, shown: int = 8) -> str:
+    """Why ``fuse`` found no layer: each module holding trainable parameters of its own,
+    with the reason it was not fused."""
+    skipped = []
+    for name, module in model.named_modules():
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        label = repr(name) if name else "the model itself"
+        if any(name == e or name.startswith(e + ".") for e in exclude):
+            skipped.append(f"{label} ({type(module).__name__}, excluded by exclude=)")
+        else:
+            skipped.append(f"{label} ({type(module).__name__}, not an nn.Linear)")
+    found = ("its trainable modules were all skipped: " + ", ".join(skipped[:shown]) +
+             (f" and {len(skipped) - shown} more" if len(skipped) > shown else "")) if skipped else \
+        "it has no trainable parameters"
+    return (f"fuse fused no layer of this {type(model).__name__}: only nn.Linear layers are fused (and transformers "
+            f"Conv1D after forge_kernels.hf.conv1d_to_linear), and {found}. A model without linear layers "
+            "gains nothing from fuse: train it with a torch optimizer")
 
 
 def check_updates(model: nn.Module) -> None:

@@ -1,6 +1,8 @@
 """ForgeLinear and fuse: one fused step per backward, dX from the pre-update weight,
 model-level fused == oracle, and the refusals (tied, reused, subclassed layers)."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -142,6 +144,27 @@ def test_linear_subclass_is_refused(device):
     attention = nn.MultiheadAttention(8, 2).to(device)
     with pytest.raises(TypeError, match="subclass of nn.Linear"):
         fk.fuse(nn.Sequential(attention), fk.AdamW())
+
+
+@pytest.mark.parametrize("case", ["convolutions", "linears_excluded", "no_parameters"])
+def test_model_with_nothing_to_fuse_is_refused(case, device):
+    """fuse on a model where no layer would be fused says so, and names each trainable
+    module it skipped and why, instead of returning the model unchanged in silence."""
+    if case == "convolutions":
+        model, exclude = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)), ()
+        skipped = [r"'0' \(Conv2d, not an nn.Linear\)", r"'2' \(Conv2d, not an nn.Linear\)"]
+    elif case == "linears_excluded":
+        model, exclude = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(4, 4, 1)), ["0"]
+        skipped = [r"'0' \(Linear, excluded by exclude=\)", r"'1' \(Conv1d, not an nn.Linear\)"]
+    else:
+        model, exclude = nn.Sequential(nn.ReLU()), ()
+        skipped = ["it has no trainable parameters"]
+    model = model.to(device)
+    with pytest.raises(ValueError, match="fuse fused no layer of this Sequential: only nn.Linear") as info:
+        fk.fuse(model, fk.AdamW(), exclude=exclude)
+    for pattern in skipped:
+        assert re.search(pattern, str(info.value)), (pattern, str(info.value))
+    assert not any(isinstance(m, fk.ForgeLinear) for m in model.modules())
 
 
 def test_fp16_weight_is_refused(device):
