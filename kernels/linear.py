@@ -81,7 +81,15 @@ class ForgeLinearFunction(torch.autograd.Function):
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         # dX is computed above, from the weights this forward used; only now step them.
         layer = ctx.layer
-        (layer.forge_backward or ForgeLinear._apply_step)(layer, x.reshape(-1, x.shape[-1]), dy2)
+        try:
+            (layer.forge_backward or ForgeLinear._apply_step)(layer, x.reshape(-1, x.shape[-1]), dy2)
+        except (TypeError, ValueError) as error:
+            # The launchers' argument checks ("x is torch.float64; ...") know no layer; the
+            # non-finite errors are named in _apply_step already, with their step.
+            named = f"fused layer {layer.forge_name!r}"
+            if not (error.args and isinstance(error.args[0], str) and named in error.args[0]):
+                _reword(error, f"{named}, in its backward: ", "")
+            raise
         return dx, None, db, None, None
 
 
@@ -390,7 +398,8 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
 
     The module tree, names and Parameter objects are unchanged. Refused with a clear
     error: a model in which no layer would be fused (no nn.Linear outside ``exclude``;
-    the error names the trainable modules skipped and why), a Linear whose weight is registered anywhere else in the model (tied),
+    the error names the trainable modules skipped and why), a Linear whose weight is
+    registered anywhere else in the model (tied),
     Hugging Face's ``Conv1D`` (GPT-2's transposed linear; convert it with
     ``forge_kernels.hf.conv1d_to_linear`` first) and subclasses of nn.Linear, whose forward may bypass ``nn.Linear.forward``
     (e.g. MultiheadAttention's out_proj) and would leave the weight silently unfused.

@@ -203,6 +203,17 @@ def test_bf16_activations_update_fp32_weights(device):
     assert model[0].weight.dtype == torch.float32 and not torch.equal(model[0].weight, before)
 
 
+def test_error_in_a_layers_backward_names_the_layer(device):
+    """An argument error the step's launcher raises inside backward (here float64
+    activations after model.double()) says which fused layer it came from."""
+    model = fk.fuse(_mlp(0, device), fk.AdamW(lr=1e-2)).double()
+    before = model[2].weight.detach().clone()
+    loss = model(torch.randn(3, 12, device=device, dtype=torch.float64)).square().sum()
+    with pytest.raises(TypeError, match="fused layer '2', in its backward: x is torch.float64; activations must be"):
+        loss.backward()
+    assert torch.equal(model[2].weight, before) and int(model[2].forge_step) == 0
+
+
 def test_weight_used_outside_its_layer_is_refused(device):
     layer = fk.ForgeLinear(6, 6, bias=False, rule=fk.SGD(lr=0.1), device=device)
     x = torch.randn(3, 6, device=device)
