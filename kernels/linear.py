@@ -244,7 +244,17 @@ class ForgeLinear(nn.Linear):
         format each slot's block exponents."""
         return {key: getattr(self, _STATE_PREFIX + key) for key in self._state_keys}
 
+    def _check_input_dtype(self, x):
+        """Refuse, as nn.Linear does, an input whose dtype is not the weight's, unless
+        autocast (which casts both, as for nn.Linear) is on for the input's device: the
+        layer would otherwise cast its weight and train where nn.Linear raises."""
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError(f"fused layer {self.forge_name!r}: mat1 and mat2 must have the same dtype, but got "
+                               f"{x.dtype} input and {self.weight.dtype} weight, as nn.Linear refuses; cast the "
+                               "input to the weight's dtype, or run the forward under torch.autocast")
+
     def forward(self, x):
+        self._check_input_dtype(x)
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if is_dtensor(self.weight) != self._fused_on_dtensor:
