@@ -112,6 +112,9 @@ class ForgeLinear(nn.Linear):
     ``fill_``), as the buffer's autograd version counter shows. A write the counter
     does not see (through ``.data``, or into the storage) is not picked up.
 
+    The input's dtype must be the weight's, as for ``nn.Linear`` (a RuntimeError naming
+    the layer otherwise), unless ``torch.autocast`` is on for its device.
+
     A checkpoint (``state_dict()``) of the layer holds ``weight`` and ``bias``, the
     state buffers, ``forge_step``, ``forge_seed`` and ``_extra_state``: the rule's class
     name as UTF-8 JSON (``{"rule": "AdamW"}``) in a uint8 tensor, so that checkpoints stay
