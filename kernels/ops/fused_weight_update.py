@@ -336,10 +336,10 @@ class _Epilogue:
             SPLIT=config.epilogue_split,
             INTERPRETED=interpreting(), **config.launch_options())
 
-    def report(self, report: str, num_inputs: int):
+    def report(self, report: str, input_names: tuple):
         """The call's outcome: raised now (``"raise"``, one read of the status) or
         returned as an ``UpdateReport`` (``"defer"``, no synchronization)."""
-        outcome = UpdateReport(self.status, self.flags, num_inputs, self.grid, self.config, self.shape,
+        outcome = UpdateReport(self.status, self.flags, input_names, self.grid, self.config, self.shape,
                                copy_async=report == "defer")
         if report == "defer":
             return outcome
@@ -392,7 +392,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
                 epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
             else:
                 epilogue.fused(x, dy, weight)
-        return epilogue.report(report, num_inputs=2)
+        return epilogue.report(report, input_names=("x", "dy"))
 
 
 def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0,
@@ -410,4 +410,4 @@ def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, s
         if weight.numel():
             launch_finite_check(epilogue.status, grad)
             epilogue.apply(grad, weight)
-        return epilogue.report(report, num_inputs=1)
+        return epilogue.report(report, input_names=("grad",))
