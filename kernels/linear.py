@@ -112,6 +112,9 @@ class ForgeLinear(nn.Linear):
     ``fill_``), as the buffer's autograd version counter shows. A write the counter
     does not see (through ``.data``, or into the storage) is not picked up.
 
+    The input's dtype must be the weight's, as for ``nn.Linear`` (a RuntimeError naming
+    the layer otherwise), unless ``torch.autocast`` is on for its device.
+
     A checkpoint (``state_dict()``) of the layer holds ``weight`` and ``bias``, the
     state buffers, ``forge_step``, ``forge_seed`` and ``_extra_state``: the rule's class
     name as UTF-8 JSON (``{"rule": "AdamW"}``) in a uint8 tensor, so that checkpoints stay
@@ -320,7 +323,17 @@ class ForgeLinear(nn.Linear):
         format each slot's block exponents."""
         return {key: getattr(self, _STATE_PREFIX + key) for key in self._state_keys}
 
+    def _check_input_dtype(self, x):
+        """Refuse, as nn.Linear does, an input whose dtype is not the weight's, unless
+        autocast (which casts both, as for nn.Linear) is on for the input's device: the
+        layer would otherwise cast its weight and train where nn.Linear raises."""
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError(f"fused layer {self.forge_name!r}: mat1 and mat2 must have the same dtype, but got "
+                               f"{x.dtype} input and {self.weight.dtype} weight, as nn.Linear refuses; cast the "
+                               "input to the weight's dtype, or run the forward under torch.autocast")
+
     def forward(self, x):
+        self._check_input_dtype(x)
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if is_dtensor(self.weight) != self._fused_on_dtensor:

@@ -197,11 +197,31 @@ def test_layers_get_distinct_rounding_streams(device):
     assert "0.forge_seed" in model.state_dict()
 
 
-def test_bf16_activations_update_fp32_weights(device):
+def test_bf16_activations_update_fp32_weights_under_autocast(device):
     model = fk.fuse(_mlp(0, device), fk.AdamW(lr=1e-2))
     before = model[0].weight.detach().clone()
-    _train(model, _batches(device, n=1, dtype=torch.bfloat16))
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        _train(model, _batches(device, n=1, dtype=torch.bfloat16))
     assert model[0].weight.dtype == torch.float32 and not torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("weights, inputs", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_input_of_another_dtype_is_refused_as_nn_linear_refuses_it(weights, inputs, grad, device):
+    """Without autocast nn.Linear raises on an input whose dtype is not the weight's; a
+    fused layer raises too (naming itself) instead of casting its weight and stepping."""
+    x = torch.randn(3, 12, device=device, dtype=inputs)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        _mlp(0, device).to(weights)(x)
+    model = fk.fuse(_mlp(0, device).to(weights), fk.AdamW(lr=1e-2))
+    before = model[0].weight.detach().clone()
+    with torch.set_grad_enabled(grad), pytest.raises(
+            RuntimeError, match=f"fused layer '0': mat1 and mat2 must have the same dtype, but got {inputs} input "
+                                f"and {weights} weight"):
+        model(x)
+    assert torch.equal(model[0].weight, before) and int(model[0].forge_step) == 0
+    model(x.to(weights)).sum().backward()  # the refused call left no pending use behind
+    assert int(model[0].forge_step) == 1
 
 
 def test_error_in_a_layers_backward_names_the_layer(device):
