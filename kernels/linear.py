@@ -21,23 +21,27 @@ operands that cover every token (``tensor_parallel``). Explicit-collective
 (Megatron-style) layers are in ``parallel_linear``.
 """
 
+import json
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import q8
 from .config import TileConfig
 from .errors import NonFiniteUpdateError
 from .hf import is_conv1d
 from .ops.fused_weight_update import ROUNDINGS, apply_rule, check_report, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
-from .rules.base import Rule
+from .rules.base import STATE_FORMATS, Rule
 from .tensor_parallel import check_input_layout, is_dtensor, local_operands, local_weight
 from .tensor_parallel import weight_slice as weight_slice_of
 from .weight_slice import WeightSlice
 
 _STATE_PREFIX = "forge_state_"
+# nn.Module's key for get_extra_state (torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX).
+_EXTRA_STATE_KEY = "_extra_state"
 # What from_linear carries over besides the parameters, so that hooks installed on the
 # Linear (parallelize_module's layout hooks above all) keep acting on the fused layer.
 _MODULE_HOOK_REGISTRIES = tuple(name for name in vars(nn.Module()) if "hook" in name)
@@ -81,7 +85,15 @@ class ForgeLinearFunction(torch.autograd.Function):
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         # dX is computed above, from the weights this forward used; only now step them.
         layer = ctx.layer
-        (layer.forge_backward or ForgeLinear._apply_step)(layer, x.reshape(-1, x.shape[-1]), dy2)
+        try:
+            (layer.forge_backward or ForgeLinear._apply_step)(layer, x.reshape(-1, x.shape[-1]), dy2)
+        except (TypeError, ValueError) as error:
+            # The launchers' argument checks ("x is torch.float64; ...") know no layer; the
+            # non-finite errors are named in _apply_step already, with their step.
+            named = f"fused layer {layer.forge_name!r}"
+            if not (error.args and isinstance(error.args[0], str) and named in error.args[0]):
+                _reword(error, f"{named}, in its backward: ", "")
+            raise
         return dx, None, db, None, None
 
 
@@ -99,6 +111,22 @@ class ForgeLinear(nn.Linear):
     ``load_state_dict(assign=True)``) or written in place (``load_state_dict``,
     ``fill_``), as the buffer's autograd version counter shows. A write the counter
     does not see (through ``.data``, or into the storage) is not picked up.
+
+    The input's dtype must be the weight's, as for ``nn.Linear`` (a RuntimeError naming
+    the layer otherwise), unless ``torch.autocast`` is on for its device.
+
+    A checkpoint (``state_dict()``) of the layer holds ``weight`` and ``bias``, the
+    state buffers, ``forge_step``, ``forge_seed`` and ``_extra_state``: the rule's class
+    name as UTF-8 JSON (``{"rule": "AdamW"}``) in a uint8 tensor, so that checkpoints stay
+    all tensors (``torch.load(weights_only=True)``, bitwise comparisons). The state
+    format is the state tensors' own dtype (fp32, bf16, q8 codes). ``load_state_dict``
+    refuses a checkpoint of this layer whose state format, slots or recorded rule are
+    not the layer's (a bf16 layer loading fp32 state would round it in silence, an Adam
+    layer would take AdamW's state), with a RuntimeError naming the layer and both; the
+    layer is then left as it was. A checkpoint without the record (written before the
+    rule was recorded) loads as before, its format and slots checked; one without any of
+    the layer's fused entries (a plain ``nn.Linear`` checkpoint, ``strict=False``) loads
+    its weight and bias.
 
     ``report``: ``"raise"`` (default) checks each step at the end of its backward, one
     device-to-host synchronization, and raises there; ``"defer"`` takes the step with
@@ -222,8 +250,67 @@ class ForgeLinear(nn.Linear):
         self.forge_check()
         return super().__getstate__()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def get_extra_state(self):
+        """The rule's class name, as UTF-8 JSON in a uint8 tensor (see the class docstring)."""
+        return torch.tensor(list(json.dumps({"rule": type(self.rule).__name__}).encode()), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        """Nothing to set: ``_load_from_state_dict`` has checked the record against the
+        layer's own rule before loading anything."""
+
+    def _state_format_of(self, tensors: dict) -> str:
+        """"fp32", "bf16" or "q8" (or the dtype) of the state slots in ``tensors``
+        (slot name -> tensor); "no state" when the rule keeps none."""
+        if not self.rule.slots:
+            return "no state"
+        dtypes = {getattr(t, "dtype", type(t).__name__) for name, t in tensors.items()
+                  if not name.endswith(q8.EXPONENT_SUFFIX)}
+        if not dtypes:
+            return "missing state"
+        if dtypes == {torch.uint8}:
+            return "q8"
+        names = {v: k for k, v in STATE_FORMATS.items()}
+        return "/".join(sorted(names.get(d, str(d)) for d in dtypes))
+
+    def _checkpoint_mismatch(self, state_dict, prefix):
+        """Why this layer's entries in ``state_dict`` are not state of its own format, slots
+        and rule, or None. A checkpoint with none of the layer's fused entries is not
+        checked (a plain nn.Linear's weights loaded with strict=False)."""
+        own = {key[len(prefix):]: value for key, value in state_dict.items()
+               if key.startswith(prefix) and "." not in key[len(prefix):]}
+        if not any(key.startswith("forge_") or key == _EXTRA_STATE_KEY for key in own):
+            return None
+        found_state = {key[len(_STATE_PREFIX):]: value for key, value in own.items() if key.startswith(_STATE_PREFIX)}
+        rule = type(self.rule).__name__
+        found_rule = None  # a checkpoint from before the rule was recorded
+        if _EXTRA_STATE_KEY in own:
+            try:
+                found_rule = json.loads(bytes(own[_EXTRA_STATE_KEY].tolist()).decode())["rule"]
+            except (AttributeError, TypeError, ValueError, KeyError):
+                found_rule = f"an unreadable rule record ({own[_EXTRA_STATE_KEY]!r:.60})"
+        expected = (self._state_format_of(self.forge_state), set(self._state_keys))
+        found = (self._state_format_of(found_state), set(found_state))
+        if found == expected and found_rule in (rule, None):
+            return None
+        found_rule = found_rule or "an unrecorded rule"
+        found_slots, slots = ({key for key in keys if not key.endswith(q8.EXPONENT_SUFFIX)}
+                              for keys in (found[1], expected[1]))
+        slots = "" if found_slots == slots else f" with slots {sorted(found_slots)}, where it keeps {sorted(slots)}"
+        return (f"fused layer {self.forge_name!r} (checkpoint entries {prefix}*): expected {expected[0]} state of "
+                f"{rule}, found {found[0]} state of {found_rule}{slots}; refused, the layer is left as it was "
+                "(load a checkpoint of its own state format and rule, or fuse with the checkpoint's)")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        mismatch = self._checkpoint_mismatch(state_dict, prefix)
+        if mismatch is not None:
+            # As torch does for a shape mismatch: reported by load_state_dict, strict or not.
+            error_msgs.append(mismatch)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + _EXTRA_STATE_KEY in missing_keys:
+            missing_keys.remove(prefix + _EXTRA_STATE_KEY)  # a checkpoint from before the rule was recorded
         if prefix + "forge_step" in state_dict:
             # The loaded state replaces whatever an unchecked or failed step left behind.
             self._unchecked = None
@@ -236,7 +323,17 @@ class ForgeLinear(nn.Linear):
         format each slot's block exponents."""
         return {key: getattr(self, _STATE_PREFIX + key) for key in self._state_keys}
 
+    def _check_input_dtype(self, x):
+        """Refuse, as nn.Linear does, an input whose dtype is not the weight's, unless
+        autocast (which casts both, as for nn.Linear) is on for the input's device: the
+        layer would otherwise cast its weight and train where nn.Linear raises."""
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError(f"fused layer {self.forge_name!r}: mat1 and mat2 must have the same dtype, but got "
+                               f"{x.dtype} input and {self.weight.dtype} weight, as nn.Linear refuses; cast the "
+                               "input to the weight's dtype, or run the forward under torch.autocast")
+
     def forward(self, x):
+        self._check_input_dtype(x)
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if is_dtensor(self.weight) != self._fused_on_dtensor:
@@ -389,7 +486,9 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     both uses.
 
     The module tree, names and Parameter objects are unchanged. Refused with a clear
-    error: a Linear whose weight is registered anywhere else in the model (tied),
+    error: a model in which no layer would be fused (no nn.Linear outside ``exclude``;
+    the error names the trainable modules skipped and why), a Linear whose weight is
+    registered anywhere else in the model (tied),
     Hugging Face's ``Conv1D`` (GPT-2's transposed linear; convert it with
     ``forge_kernels.hf.conv1d_to_linear`` first) and subclasses of nn.Linear, whose forward may bypass ``nn.Linear.forward``
     (e.g. MultiheadAttention's out_proj) and would leave the weight silently unfused.
@@ -428,12 +527,34 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
                                      "a fused weight must get exactly one gradient per step. Leave the layer "
                                      f"to the torch optimizer with fuse(..., exclude=[{qualified!r}])")
                 targets.append((module, child_name, qualified, child))
+    if not targets:
+        raise ValueError(_nothing_to_fuse(model, exclude))
     check_seed(seed)
     for index, (parent, child_name, qualified, linear) in enumerate(targets):
         setattr(parent, child_name, ForgeLinear.from_linear(
             linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
             seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
     return model
+
+
+def _nothing_to_fuse(model: nn.Module, exclude: set, shown: int = 8) -> str:
+    """Why ``fuse`` found no layer: each module holding trainable parameters of its own,
+    with the reason it was not fused."""
+    skipped = []
+    for name, module in model.named_modules():
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        label = repr(name) if name else "the model itself"
+        if any(name == e or name.startswith(e + ".") for e in exclude):
+            skipped.append(f"{label} ({type(module).__name__}, excluded by exclude=)")
+        else:
+            skipped.append(f"{label} ({type(module).__name__}, not an nn.Linear)")
+    found = ("its trainable modules were all skipped: " + ", ".join(skipped[:shown]) +
+             (f" and {len(skipped) - shown} more" if len(skipped) > shown else "")) if skipped else \
+        "it has no trainable parameters"
+    return (f"fuse fused no layer of this {type(model).__name__}: only nn.Linear layers are fused (and transformers "
+            f"Conv1D after forge_kernels.hf.conv1d_to_linear), and {found}. A model without linear layers "
+            "gains nothing from fuse: train it with a torch optimizer")
 
 
 def check_updates(model: nn.Module) -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify.numerics import findings
 from forge_verify.checks.problems import Problem
 from forge_verify.distributed.sharding import per_shard_config_changes_bits, shape_keyed_config
+from forge_verify.numerics import findings
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 

@@ -11,8 +11,8 @@ import torch
 
 import forge_kernels as fk
 from forge_verify.checks.catalog import CATALOG
-from forge_verify.distributed import sharded_models as sm
 from forge_verify.checks.problems import Regime
+from forge_verify.distributed import sharded_models as sm
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 

@@ -9,7 +9,6 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-import forge_kernels as fk
 from forge_verify.checks import strategies as fst
 from forge_verify.checks.catalog import CATALOG
 from forge_verify.checks.problems import Problem

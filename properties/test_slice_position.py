@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import forge_kernels as fk
 from forge_verify.checks import claims
-from forge_verify.numerics import findings
 from forge_verify.checks import strategies as fst
 from forge_verify.checks.observations import observe
+from forge_verify.numerics import findings
 
 pytestmark = pytest.mark.exactness
 

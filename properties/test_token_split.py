@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify.distributed import token_split_controls as tc
 from forge_verify.checks.problems import Regime
+from forge_verify.distributed import token_split_controls as tc
 
 pytestmark = [pytest.mark.exactness, pytest.mark.distributed]
 

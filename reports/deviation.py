@@ -39,8 +39,8 @@ import torch
 import forge_kernels as fk
 from forge_verify.checks.claims import enclosure_trajectory
 from forge_verify.checks.deviation import REGIMES, deviation_table, ulp_at
-from forge_verify.commands.notebook import say, show, show_table
 from forge_verify.checks.problems import Problem, make_inputs
+from forge_verify.commands.notebook import say, show, show_table
 
 SETTINGS = {
     "fast": dict(size=8, tokens=16, steps=20, seed=0),

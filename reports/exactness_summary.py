@@ -44,11 +44,10 @@ import torch
 
 import forge_kernels as fk
 from forge_verify.checks import claims
-from forge_verify.checks.problems import REGIMES
+from forge_verify.checks.problems import REGIMES, Problem
+from forge_verify.commands.notebook import say, show, show_table
 from forge_verify.gate.cases import CONFIG, RULES, Case
 from forge_verify.gate.measure import enclosure_measure
-from forge_verify.commands.notebook import say, show, show_table
-from forge_verify.checks.problems import Problem
 
 SETTINGS = {
     "fast": dict(seeds=(0,), steps=1, activations=(torch.bfloat16,)),

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 import forge_kernels as fk
-from forge_verify.numerics.bits import bf16_bits, fp32_from_bits
 from forge_verify.commands.notebook import say, show, show_table
+from forge_verify.numerics.bits import bf16_bits, fp32_from_bits
 from forge_verify.numerics.stats import hoeffding_radius, stagnation_radius
 
 SETTINGS = {

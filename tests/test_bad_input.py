@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import forge_kernels as fk
+from forge_verify.checks.catalog import CATALOG, reference_step
+from forge_verify.numerics.bits import int_view
 
 
 @pytest.fixture
@@ -184,10 +186,13 @@ def test_hyperparameter_changed_to_invalid_value_is_refused_at_launch(good):
 @pytest.mark.parametrize("where", ["x", "dy"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_inputs_write_nothing(good, where, value):
+    """The error counts each input's non-finite elements under the input's name."""
     x, dy, w, state, rule = good
     (x if where == "x" else dy)[3, 4] = value
+    (x if where == "x" else dy)[5, 1] = value
+    counts = "x: 2, dy: 0" if where == "x" else "x: 0, dy: 2"
     before = (w.clone(), {k: v.clone() for k, v in state.items()})
-    with pytest.raises(fk.NonFiniteInputError, match="nothing was updated"):
+    with pytest.raises(fk.NonFiniteInputError, match=f"NaN or infinite elements in {counts}; nothing was updated"):
         _call(x, dy, w, state, rule)
     assert torch.equal(w, before[0])
     assert all(torch.equal(state[k], before[1][k]) for k in state)
@@ -306,3 +311,55 @@ def test_apply_rule_refuses_bad_gradients(good, case, error, message):
     with pytest.raises(error, match=message):
         fk.apply_rule(grad, w, state, rule, 1)
     assert torch.equal(w, before)
+
+
+# The slots that square (and so accumulate) the gradient are those that only hold values
+# >= 0 (``Rule.nonnegative``): AdamW/Adam exp_avg_sq, RMSprop square_avg, Adagrad sum.
+_SQUARED_SLOTS = [pytest.param(entry, slot, id=f"{entry.name}-{slot}")
+                  for entry in CATALOG for slot in entry.gate.nonnegative]
+# The largest value each state format stores: fp32 and bf16 their finite maximum; a q8
+# value must lie below 2**MAX_EXPONENT, its largest block exponent.
+_FORMAT_MAX = {"fp32": torch.finfo(torch.float32).max, "bf16": torch.finfo(torch.bfloat16).max,
+               "q8": 2.0 ** fk.q8.MAX_EXPONENT}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
+@pytest.mark.parametrize("entry, slot", _SQUARED_SLOTS)
+def test_gradient_whose_square_overflows_the_state_writes_nothing(entry, slot, state_format, oracle, device):
+    """One finite element of dW large enough that the slot's new value (a multiple of its
+    square) exceeds what the state format stores: the tile, here the whole 4 x 40 weight,
+    is refused, and the weight and every slot keep their bits. The weight stays finite
+    (the huge denominator makes its step 0), so only the slot's own storability check
+    catches it: without it inf (or a clamped q8 code) would be written into the state."""
+    rule = entry.gate
+    assert slot in rule.slots
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 40, generator=gen).to(device)
+    state = rule.init_state(w, state_format=state_format)
+    # The slot's coefficient of g*g in one step from the initial state, from the fp64
+    # reference (1 - beta2, 1 - alpha, 1), sets the gradient: twice the format's maximum.
+    ones, zeros = (torch.full((1, 1), v, dtype=torch.float64) for v in (1.0, 0.0))
+    initial = {name: torch.full((1, 1), rule.initial_value(name), dtype=torch.float64) for name in rule.slots}
+    coefficient = float(reference_step(rule, ones, ones, initial, 1)[1][slot] -
+                        reference_step(rule, ones, zeros, initial, 1)[1][slot])
+    g = float(torch.tensor((2 * _FORMAT_MAX[state_format] / coefficient) ** 0.5, dtype=torch.float32))
+    assert g < torch.finfo(torch.float32).max
+    # dW = dyᵀx: three ordinary tokens, and one that puts g at dW[2, 17] alone.
+    x = torch.randn(4, 40, generator=gen) * 0.1
+    dy = torch.randn(4, 4, generator=gen) * 0.1
+    x[3], dy[3] = 0.0, 0.0
+    x[3, 17], dy[3, 2] = g, 1.0
+    x, dy = x.to(device), dy.to(device)
+    grad = (dy.T.double() @ x.double())
+    assert float(reference_step(rule, w.double()[2:3, 17:18], grad[2:3, 17:18],
+                                {k: v.double() for k, v in initial.items()}, 1)[1][slot]) > _FORMAT_MAX[state_format]
+    before = (int_view(w).clone(), {k: int_view(v).clone() for k, v in state.items()})
+    with pytest.raises(fk.NonFiniteUpdateError, match="1 of 1 weight tiles") as info:
+        _call(x, dy, w, state, rule, oracle=oracle)
+    assert info.value.tiles == [(0, 4, 0, 40)]
+    assert torch.equal(int_view(w), before[0]), "weight written"
+    for name in state:
+        assert torch.equal(int_view(state[name]), before[1][name]), f"state[{name!r}] written"

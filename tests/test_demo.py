@@ -3,8 +3,8 @@ written; the shipped text is what its generator makes."""
 
 import json
 
-from forge_verify.models import corpus
 from forge_verify.commands.cli import main
+from forge_verify.models import corpus
 
 
 def test_shipped_text_is_the_generators_output():

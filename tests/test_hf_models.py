@@ -11,8 +11,8 @@ import transformers
 import forge_kernels as fk
 from forge_kernels.hf import conv1d_to_linear
 from forge_verify import assert_bitwise_equal
-from forge_verify.numerics.tolerances import UNIT_ROUNDOFF, gamma
 from forge_verify.checks.pipelines import StandardPipeline
+from forge_verify.numerics.tolerances import UNIT_ROUNDOFF, gamma
 
 VOCAB = 64
 

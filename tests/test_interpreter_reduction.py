@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 import forge_kernels as fk
-from forge_verify.numerics.bits import assert_bitwise_equal
 from forge_verify.checks.problems import Problem, Regime, make_inputs, run_rule
+from forge_verify.numerics.bits import assert_bitwise_equal
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.exactness]
 

@@ -7,9 +7,9 @@ import torch
 
 import forge_kernels as fk
 from forge_verify.checks import claims
-from forge_verify.numerics.interval import Interval
-from forge_verify.checks.problems import Problem
 from forge_verify.checks.catalog import reference_step
+from forge_verify.checks.problems import Problem
+from forge_verify.numerics.interval import Interval
 from forge_verify.numerics.reference import ENCLOSURE, POINT
 
 

@@ -1,6 +1,9 @@
 """ForgeLinear and fuse: one fused step per backward, dX from the pre-update weight,
 model-level fused == oracle, and the refusals (tied, reused, subclassed layers)."""
 
+import json
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -144,6 +147,27 @@ def test_linear_subclass_is_refused(device):
         fk.fuse(nn.Sequential(attention), fk.AdamW())
 
 
+@pytest.mark.parametrize("case", ["convolutions", "linears_excluded", "no_parameters"])
+def test_model_with_nothing_to_fuse_is_refused(case, device):
+    """fuse on a model where no layer would be fused says so, and names each trainable
+    module it skipped and why, instead of returning the model unchanged in silence."""
+    if case == "convolutions":
+        model, exclude = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)), ()
+        skipped = [r"'0' \(Conv2d, not an nn.Linear\)", r"'2' \(Conv2d, not an nn.Linear\)"]
+    elif case == "linears_excluded":
+        model, exclude = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(4, 4, 1)), ["0"]
+        skipped = [r"'0' \(Linear, excluded by exclude=\)", r"'1' \(Conv1d, not an nn.Linear\)"]
+    else:
+        model, exclude = nn.Sequential(nn.ReLU()), ()
+        skipped = ["it has no trainable parameters"]
+    model = model.to(device)
+    with pytest.raises(ValueError, match="fuse fused no layer of this Sequential: only nn.Linear") as info:
+        fk.fuse(model, fk.AdamW(), exclude=exclude)
+    for pattern in skipped:
+        assert re.search(pattern, str(info.value)), (pattern, str(info.value))
+    assert not any(isinstance(m, fk.ForgeLinear) for m in model.modules())
+
+
 def test_fp16_weight_is_refused(device):
     with pytest.raises(TypeError, match="float32 or bfloat16 weights"):
         fk.fuse(_mlp(0, device).half(), fk.AdamW())
@@ -173,11 +197,42 @@ def test_layers_get_distinct_rounding_streams(device):
     assert "0.forge_seed" in model.state_dict()
 
 
-def test_bf16_activations_update_fp32_weights(device):
+def test_bf16_activations_update_fp32_weights_under_autocast(device):
     model = fk.fuse(_mlp(0, device), fk.AdamW(lr=1e-2))
     before = model[0].weight.detach().clone()
-    _train(model, _batches(device, n=1, dtype=torch.bfloat16))
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        _train(model, _batches(device, n=1, dtype=torch.bfloat16))
     assert model[0].weight.dtype == torch.float32 and not torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("weights, inputs", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_input_of_another_dtype_is_refused_as_nn_linear_refuses_it(weights, inputs, grad, device):
+    """Without autocast nn.Linear raises on an input whose dtype is not the weight's; a
+    fused layer raises too (naming itself) instead of casting its weight and stepping."""
+    x = torch.randn(3, 12, device=device, dtype=inputs)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        _mlp(0, device).to(weights)(x)
+    model = fk.fuse(_mlp(0, device).to(weights), fk.AdamW(lr=1e-2))
+    before = model[0].weight.detach().clone()
+    with torch.set_grad_enabled(grad), pytest.raises(
+            RuntimeError, match=f"fused layer '0': mat1 and mat2 must have the same dtype, but got {inputs} input "
+                                f"and {weights} weight"):
+        model(x)
+    assert torch.equal(model[0].weight, before) and int(model[0].forge_step) == 0
+    model(x.to(weights)).sum().backward()  # the refused call left no pending use behind
+    assert int(model[0].forge_step) == 1
+
+
+def test_error_in_a_layers_backward_names_the_layer(device):
+    """An argument error the step's launcher raises inside backward (here float64
+    activations after model.double()) says which fused layer it came from."""
+    model = fk.fuse(_mlp(0, device), fk.AdamW(lr=1e-2)).double()
+    before = model[2].weight.detach().clone()
+    loss = model(torch.randn(3, 12, device=device, dtype=torch.float64)).square().sum()
+    with pytest.raises(TypeError, match="fused layer '2', in its backward: x is torch.float64; activations must be"):
+        loss.backward()
+    assert torch.equal(model[2].weight, before) and int(model[2].forge_step) == 0
 
 
 def test_weight_used_outside_its_layer_is_refused(device):
@@ -216,3 +271,59 @@ def test_autocast_bf16_training_steps_every_layer(device):
     loss.backward()
     assert int(model[0].forge_step) == 1 and int(model[2].forge_step) == 1
     assert not torch.equal(model[0].weight, before[0]) and not torch.equal(model[2].weight, before[1])
+
+
+def _trained(device, rule, state_format, steps=1):
+    return _train(fk.fuse(_mlp(0, device), rule, state_format=state_format, seed=3), _batches(device, n=steps))
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+@pytest.mark.parametrize("layer, checkpoint", [
+    (("bf16", fk.AdamW), ("fp32", fk.AdamW)),  # would be rounded to bf16 in silence
+    (("fp32", fk.AdamW), ("bf16", fk.AdamW)),
+    (("fp32", fk.AdamW), ("q8", fk.AdamW)),
+    (("fp32", fk.Adam), ("fp32", fk.AdamW)),   # same slots, another rule
+], ids=["bf16-loads-fp32", "fp32-loads-bf16", "fp32-loads-q8", "adam-loads-adamw"])
+def test_checkpoint_of_another_state_format_or_rule_is_refused(layer, checkpoint, strict, device):
+    source = _trained(device, checkpoint[1](lr=1e-2), checkpoint[0])
+    target = _trained(device, layer[1](lr=1e-2), layer[0])
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    expected = (rf"fused layer '0' \(checkpoint entries 0\.\*\): expected {layer[0]} state of {layer[1].__name__}, "
+                rf"found {checkpoint[0]} state of {checkpoint[1].__name__}; refused")
+    with pytest.raises(RuntimeError, match=expected) as info:
+        target.load_state_dict(source.state_dict(), strict=strict)
+    assert "fused layer '2'" in str(info.value)  # every mismatched layer is named
+    for name, value in target.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+
+
+def test_checkpoint_records_the_rule_and_a_checkpoint_without_it_still_loads(device):
+    """The rule's class name is the checkpoint's `_extra_state` (a uint8 tensor); one
+    written before it was recorded loads bit for bit into a layer of its format, and is
+    refused by its tensors' format elsewhere."""
+    source = _trained(device, fk.AdamW(lr=1e-2), "bf16")
+    checkpoint = source.state_dict()
+    assert json.loads(bytes(checkpoint["0._extra_state"].tolist())) == {"rule": "AdamW"}
+    old = {k: v.clone() for k, v in checkpoint.items() if not k.endswith("._extra_state")}
+    target = fk.fuse(_mlp(1, device), fk.AdamW(lr=1e-2), state_format="bf16")
+    target.load_state_dict(old)  # strict: the missing record is not a missing key
+    loaded = target.state_dict()
+    for name, value in old.items():
+        assert_bitwise_equal(loaded[name], value, name)
+    with pytest.raises(RuntimeError, match="expected fp32 state of AdamW, found bf16 state of an unrecorded rule"):
+        fk.fuse(_mlp(1, device), fk.AdamW(lr=1e-2)).load_state_dict(old)
+
+
+def test_checkpoint_with_other_slots_is_refused_even_when_not_strict(device):
+    source = _trained(device, fk.RMSprop(centered=True), "fp32")
+    target = fk.fuse(_mlp(1, device), fk.RMSprop())
+    with pytest.raises(RuntimeError, match=r"found fp32 state of RMSprop with slots \['grad_avg', 'square_avg'\], "
+                                           r"where it keeps \['square_avg'\]"):
+        target.load_state_dict(source.state_dict(), strict=False)
+
+
+def test_plain_linear_weights_load_into_a_fused_model_without_strict(device):
+    plain = _mlp(1, device)
+    target = fk.fuse(_mlp(0, device), fk.AdamW(), state_format="bf16")
+    target.load_state_dict(plain.state_dict(), strict=False)
+    assert_bitwise_equal(target[0].weight.detach(), plain[0].weight.detach(), "weight")

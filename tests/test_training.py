@@ -16,8 +16,8 @@ from torch import nn
 import forge_kernels as fk
 from forge_kernels.rules.sgd import SGDMicroBatch
 from forge_verify import assert_bitwise_equal
-from forge_verify.commands.clipping_spike import spike_study
 from forge_verify.checks.pipelines import StandardPipeline
+from forge_verify.commands.clipping_spike import spike_study
 from forge_verify.models.tiny_gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2, n_embd=32)

@@ -7,7 +7,6 @@ problem sizes mix random values with edges (1, one less and one more than a tile
 
 import dataclasses
 
-import numpy as np
 import torch
 from hypothesis import strategies as st
 

@@ -11,6 +11,7 @@ from ..numerics.bits import ulp_distance
 from .catalog import CATALOG, entry_for
 from .problems import Problem, make_inputs, run_rule
 
+
 def has_counterpart(rule) -> bool:
     """Whether torch.optim has this rule (Lion has none)."""
     return entry_for(rule).torch_optim is not None

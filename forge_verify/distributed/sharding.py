@@ -127,6 +127,20 @@ def _snapshot(layer: fk.ForgeLinear) -> dict:
             **{k: v.cpu().clone() for k, v in layer.forge_state.items()}}
 
 
+def train_step(module, x, dy, weight_dtype):
+    """One forward and backward of ``module`` on (x, dy) as a training step feeds a layer
+    of ``weight_dtype``: a fused layer, like nn.Linear, takes activations of its weight's
+    dtype, or bf16 activations into fp32 weights under autocast (which then computes the
+    forward exactly as the layer's own cast would). fp32 activations into bf16 weights are
+    cast to bf16 first, as a user must."""
+    if x.dtype == torch.bfloat16 and weight_dtype == torch.float32:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            y = module(x)
+    else:
+        y = module(x.to(weight_dtype))
+    y.backward(dy.to(y.dtype))
+
+
 def sharded_steps(case: LayerCase, rule, shardings=SHARDINGS, *, allow_refusal=False):
     """Step the unsharded fused layer and each (engine, layout) sharded one on the same
     (x, dy) per step; yields ``(engine, layout, step, local, expected)`` after every step,
@@ -151,11 +165,10 @@ def sharded_steps(case: LayerCase, rule, shardings=SHARDINGS, *, allow_refusal=F
                 raise
             yield engine, layout, 0, None, None
     for step, (x, dy) in enumerate(inputs.batches, start=1):
-        whole(x).backward(dy)
+        train_step(whole, x, dy, weight.dtype)
         whole_now = _snapshot(whole)
         for engine, layout, module, operands, rows, cols in sharded:
-            x_local, dy_local = operands(x, dy)
-            module(x_local).backward(dy_local)
+            train_step(module, *operands(x, dy), weight.dtype)
             yield engine, layout, step, _snapshot(_fused_layer(module)), expected_slices(whole_now, rows, cols)
 
 
@@ -201,7 +214,7 @@ def per_shard_config_changes_bits(problem: Problem, rule, layout: str) -> bool:
     parallel = ColumnParallelForgeLinear if layout == "column" else RowParallelForgeLinear
     module = parallel(_linear(weight), rule, config=shape_keyed_config(*local_shape))
     for x, dy in batches:
-        whole(x).backward(dy)
-        module(x[:, cols].contiguous()).backward(dy[:, rows].contiguous())
+        train_step(whole, x, dy, weight.dtype)
+        train_step(module, x[:, cols].contiguous(), dy[:, rows].contiguous(), weight.dtype)
     expected, local = _snapshot(whole)["weight"][rows, cols], _snapshot(module.linear)["weight"]
     return first_difference(local, expected) is not None

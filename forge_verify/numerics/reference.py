@@ -16,8 +16,6 @@ import math
 
 import torch
 
-import forge_kernels as fk
-
 from .interval import Interval
 from .tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF, accumulation_rtol, gamma
 

@@ -385,12 +385,12 @@ class _Epilogue:
             SPLIT=config.epilogue_split,
             INTERPRETED=interpreting(), **config.launch_options())
 
-    def report(self, report: str, num_inputs: int, captured: bool = False):
+    def report(self, report: str, input_names: tuple, captured: bool = False):
         """The call's outcome: raised now (``"raise"``, one read of the status) or
         returned as an ``UpdateReport`` (``"defer"``, no synchronization). A captured
         call's report reads the graph's status words when checked (one synchronization):
         the outcome of the latest replay."""
-        outcome = UpdateReport(self.status, self.flags, num_inputs, self.grid, self.config, self.shape,
+        outcome = UpdateReport(self.status, self.flags, input_names, self.grid, self.config, self.shape,
                                copy_async=report == "defer" and not captured)
         if report == "defer":
             return outcome
@@ -449,7 +449,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
                 epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
             else:
                 epilogue.fused(x, dy, weight)
-        return epilogue.report(report, num_inputs=2, captured=captured)
+        return epilogue.report(report, input_names=("x", "dy"), captured=captured)
 
 
 def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0,
@@ -468,4 +468,4 @@ def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, s
         if weight.numel():
             launch_finite_check(epilogue.status, grad)
             epilogue.apply(grad, weight)
-        return epilogue.report(report, num_inputs=1, captured=captured)
+        return epilogue.report(report, input_names=("grad",), captured=captured)

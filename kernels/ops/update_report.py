@@ -13,10 +13,11 @@ from ..errors import NonFiniteInputError, NonFiniteUpdateError
 from .finite_check import BAD_TILES
 
 
-def non_finite_input_error(counts) -> NonFiniteInputError:
-    """The error for inputs with ``counts[i]`` NaN or infinite elements in input i."""
-    return NonFiniteInputError(f"non-finite inputs: {', '.join(str(c) for c in counts)} element(s) of the "
-                               f"{len(counts)} input tensor(s) are NaN or infinite; nothing was updated")
+def non_finite_input_error(names, counts) -> NonFiniteInputError:
+    """The error for inputs with ``counts[i]`` NaN or infinite elements in the input
+    called ``names[i]`` (each input named with its count, e.g. "x: 1, dy: 0")."""
+    per_input = ", ".join(f"{name}: {count}" for name, count in zip(names, counts))
+    return NonFiniteInputError(f"non-finite inputs: NaN or infinite elements in {per_input}; nothing was updated")
 
 
 def _raise_if_flagged(flags: torch.Tensor, grid, config, N: int, K: int):
@@ -53,11 +54,13 @@ class UpdateReport:
 
     ``status`` and ``flags`` are the device tensors the kernels wrote (see
     ``forge_kernels.ops.finite_check`` for the layout); keep them unmodified.
+    ``input_names`` names the checked inputs in status order (``("x", "dy")`` or
+    ``("grad",)``), so that the error says which input held how many non-finite elements.
     """
 
-    def __init__(self, status, flags, num_inputs, grid, config, shape, *, copy_async):
+    def __init__(self, status, flags, input_names, grid, config, shape, *, copy_async):
         self.status, self.flags = status, flags
-        self._num_inputs, self._grid, self._config, self._shape = num_inputs, grid, config, shape
+        self._input_names, self._grid, self._config, self._shape = tuple(input_names), grid, config, shape
         self._host = self._event = None
         if copy_async and status.device.type == "cuda":
             stream = torch.cuda.current_stream(status.device)
@@ -81,8 +84,8 @@ class UpdateReport:
             words = self._host.tolist()
         else:
             words = self.status.tolist()  # CPU: no stream to wait for; GPU without a copy: one sync
-        counts = words[:self._num_inputs]
+        counts = words[:len(self._input_names)]
         if any(counts):
-            raise non_finite_input_error(counts)
+            raise non_finite_input_error(self._input_names, counts)
         if words[BAD_TILES]:
             _raise_if_flagged(self.flags, self._grid, self._config, *self._shape)
