@@ -45,10 +45,18 @@ MISTAKES = [
             "mask_t = offs_t < T", "mask_t = offs_t < T - 1",
             ("rule adamw", "exceeds its proven bound"),
             ("properties/test_reference_closeness.py", "-k", "adamw")),
-    Mistake("stochastic rounding keyed on the tile", "ops/fused_weight_update.py",
+    # bf16 stores draw one Philox call per pair of columns, q8 codes one per element: each
+    # stream's counter is planted keyed on the element's place in the tile.
+    Mistake("bf16 stochastic rounding keyed on the tile", "ops/stochastic_round.py",
+            "counter = (row_base[:, None] + pairs[None, :]).to(tl.uint32)",
+            "counter = (tl.arange(0, BLOCK_N)[:, None] * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])"
+            ".to(tl.uint32)",
+            ("regime 'fp32 weight, bf16 state, stochastic'", "bits changed"),
+            ("properties/test_tile_invariance.py", "-k", "equivalent_configs and adamw")),
+    Mistake("q8 stochastic codes keyed on the tile", "ops/fused_weight_update.py",
             "counter = ((offs_n + row0).to(tl.int64)[:, None] * global_k + (offs_k + col0)[None, :]).to(tl.uint32)",
             "counter = (tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]).to(tl.uint32)",
-            ("regime 'fp32 weight, bf16 state, stochastic'", "bits changed"),
+            ("regime 'fp32 weight, q8 state, stochastic'", "bits changed"),
             ("properties/test_tile_invariance.py", "-k", "equivalent_configs and adamw")),
     Mistake("bias correction applied twice", "rules/adamw.py",
             "denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps",
