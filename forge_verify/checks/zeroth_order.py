@@ -181,16 +181,19 @@ def _signs(keys, counters):
     return (1 - 2 * (philox4x32(keys, counters)[0] >> 31)).to(torch.float64)
 
 
-def grzo_estimates_over_calls(problem: QuadraticProblem, seed: int, calls: range) -> torch.Tensor:
-    """(len(calls), d): normalize="none" estimates of calls ``calls`` of
-    ``GRZO(problem.model, seed=seed)``, computed from the same Philox streams at once and
-    with δ_i = ⟨g_i, Δ_i⟩ (exact central differences) instead of two forwards."""
+def grzo_projections_over_calls(problem: QuadraticProblem, seed: int, calls: range):
+    """(Δ_i of every call (n, B, d), δ_i = ⟨g_i, Δ_i⟩ (n, B)) of calls ``calls`` of
+    ``GRZO(problem.model, seed=seed)``, from the same Philox streams, all at once; δ_i is
+    the exact central difference of the quadratic losses."""
     model, grads = problem.model, problem.per_example_gradients()
     batch = grads.shape[0]
     d_out, d_in = model.weight.shape
     n = len(calls)
     ex = torch.arange(batch)
-    key = lambda name, kind: _keys(seed, calls, name, kind)[:, None, None]  # noqa: E731
+
+    def key(name, kind):
+        return _keys(seed, calls, name, kind)[:, None, None]
+
     u_w = _normal(key("weight", BASE)[:, :, 0], torch.arange(d_out * d_in)[None, :])  # (n, d_out*d_in)
     r = _signs(key("weight", ROW), ex[None, :, None] * d_out + torch.arange(d_out)[None, None, :])
     s = _signs(key("weight", COL), ex[None, :, None] * d_in + torch.arange(d_in)[None, None, :])
@@ -199,8 +202,13 @@ def grzo_estimates_over_calls(problem: QuadraticProblem, seed: int, calls: range
         u_b = _normal(key("bias", BASE)[:, :, 0], torch.arange(d_out)[None, :])
         t = _signs(key("bias", ROW), ex[None, :, None] * d_out + torch.arange(d_out)[None, None, :])
         directions.append(u_b[:, None, :] * t)
-    delta = torch.cat(directions, dim=2)  # (n, B, d): Δ_i of every call
-    projections = (delta * grads[None]).sum(2)  # δ_i = ⟨g_i, Δ_i⟩
+    delta = torch.cat(directions, dim=2)
+    return delta, (delta * grads[None]).sum(2)
+
+
+def grzo_estimates_over_calls(problem: QuadraticProblem, seed: int, calls: range) -> torch.Tensor:
+    """(len(calls), d): the normalize="none" estimates of those calls, (1/B) Σ_i δ_i Δ_i."""
+    delta, projections = grzo_projections_over_calls(problem, seed, calls)
     return (projections[:, :, None] * delta).mean(1)
 
 
@@ -213,3 +221,22 @@ def mezo_estimates_over_calls(problem: QuadraticProblem, seed: int, calls: range
         parts.append(_normal(_keys(seed, calls, name, BASE)[:, None], torch.arange(p.numel())[None, :]))
     z = torch.cat(parts, dim=1)
     return (z @ mean)[:, None] * z
+
+
+# --- signs ------------------------------------------------------------------------------
+
+def neighbour_products(signs: torch.Tensor) -> dict:
+    """{what: (mean, count)} of products of neighbouring ±1 signs of a (B × size) draw:
+    examples i and i + 1 at the same index, indices j and j + 1 in the same example, and
+    the mean sign itself. Independent fair signs give means of order 1/√count."""
+    return {"examples": ((signs[1:] * signs[:-1]).mean().item(), signs[1:].numel()),
+            "indices": ((signs[:, 1:] * signs[:, :-1]).mean().item(), signs[:, 1:].numel()),
+            "marginal": (signs.mean().item(), signs.numel())}
+
+
+def parity_signs(batch: int, size: int, seed: int) -> torch.Tensor:
+    """The GRZO code's norm and embedding signs: ((a·odd + b·odd + seed) & 1), a parity of
+    example and index, i.e. a checkerboard (a planted mistake for the sign tests)."""
+    a = torch.arange(batch)[:, None] * 0x9E3779B1
+    b = torch.arange(size)[None, :] * 0x85EBCA77
+    return (1 - 2 * ((a + b + seed) & 1)).to(torch.float64)
