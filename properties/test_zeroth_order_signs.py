@@ -7,7 +7,6 @@ the same check.
 """
 
 import pytest
-import torch
 from torch import nn
 
 import forge_kernels as fk

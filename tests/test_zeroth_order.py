@@ -2,8 +2,6 @@
 Philox reference, the hooks against explicitly perturbed parameters, estimate/step/
 state_dict, determinism, and every refusal (nothing written)."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +12,7 @@ from torch import nn
 import forge_kernels as fk
 from forge_kernels.zeroth_order.draws import (BASE, COL, ROW, CallDraws, base_rows, example_signs,
                                               philox4x32, standard_normal, stream_key)
+from forge_kernels.zeroth_order.targets import Perturbed
 from forge_verify.checks.zeroth_order import flatten, quadratic_problem
 from forge_verify.numerics.bits import assert_bitwise_equal
 from forge_verify.numerics.philox import philox_words
@@ -109,7 +108,6 @@ def test_hooked_forward_is_each_example_with_its_own_perturbed_parameters():
     model, idx, sigma = _Small(), _tokens(), 0.05
     opt = fk.GRZO(model, lr=0.1, normalize="none")
     draws = CallDraws(opt.seed, opt.call)
-    from forge_kernels.zeroth_order.targets import Perturbed
     with torch.no_grad(), Perturbed(opt.targets, draws, sigma, 1, 2**20):
         hooked = model(idx)
     for i in range(idx.shape[0]):
@@ -131,7 +129,6 @@ def test_estimate_is_the_mean_of_coefficients_times_directions(normalize):
     opt = fk.GRZO(model, lr=0.1, sigma=1e-3, normalize=normalize)
     draws = CallDraws(opt.seed, opt.call)
     plus_minus = []
-    from forge_kernels.zeroth_order.targets import Perturbed
     for sign in (1, -1):
         with torch.no_grad(), Perturbed(opt.targets, draws, opt.sigma, sign, 2**20):
             plus_minus.append((model(idx) ** 2).sum(-1))
@@ -314,6 +311,20 @@ def test_unsupported_modules_are_refused_by_name_unless_frozen():
         fk.GRZO(model, lr=0.1)
     model[1].requires_grad_(False)
     assert [t.name for t in fk.GRZO(model, lr=0.1).targets] == ["0.weight", "0.bias"]
+
+
+def test_a_module_not_batched_along_dim_0_is_refused_by_name():
+    """The tiny GPT's position embedding is called with arange(T): shared by every
+    example, not batched. Refused (T != B) naming it; frozen, the rest trains."""
+    from forge_verify.models.tiny_gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1))
+    idx = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    closure = lambda: torch.nn.functional.cross_entropy(  # noqa: E731
+        model(idx).transpose(1, 2), idx, reduction="none").mean(1)
+    with pytest.raises(ValueError, match="module 'pos' saw input shape \\(8,\\) after batch 2"):
+        fk.GRZO(model, lr=1e-3).step(closure)
+    model.pos.requires_grad_(False)
+    assert fk.GRZO(model, lr=1e-3).step(closure).stepped
 
 
 def test_tied_weights_and_other_dtypes_are_refused():

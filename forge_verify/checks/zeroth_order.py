@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 
-import forge_kernels as fk
 from forge_kernels.zeroth_order.draws import BASE, COL, ROW, philox4x32, stream_key
 
 
@@ -137,7 +136,7 @@ class FixedDraws:
         return self.sign_table[(target.name, kind)].to(target.work_dtype)
 
 
-def sign_slots(opt, batch: int) -> list:
+def sign_slots(opt) -> list:
     """(target name, kind, size) of every sign vector one example draws."""
     slots = []
     for t in opt.targets:
@@ -150,7 +149,7 @@ def sign_slots(opt, batch: int) -> list:
 def enumerated_estimates(opt, closure, bases: dict, batch: int) -> torch.Tensor:
     """ĝ (flattened in target order) for every joint sign pattern of every example,
     through the optimizer's own hooks and update formula (``estimate_with``), U fixed."""
-    slots = sign_slots(opt, batch)
+    slots = sign_slots(opt)
     per_example = sum(size for _, _, size in slots)
     names = [t.name for t in opt.targets]
     out = []

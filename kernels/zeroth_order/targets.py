@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draws import BASE, COL, ROW
+from .draws import COL, ROW
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _SUPPORTED_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
@@ -158,12 +158,15 @@ class Perturbed:
 
     def _hook(self, module, inputs, output):
         x = inputs[0]
+        targets = self.by_module[module]
         batch = x.shape[0] if x.dim() else 0
         if x.dim() == 0 or (self.batch is not None and batch != self.batch):
-            raise ValueError(f"every perturbed module must see the batch along dim 0: one saw "
-                             f"input shape {tuple(x.shape)} after batch {self.batch}")
+            name = targets[0].name.rpartition(".")[0] or "(root)"
+            raise ValueError(f"every perturbed module must see the batch along dim 0: module '{name}' "
+                             f"saw input shape {tuple(x.shape)} after batch {self.batch} (a module "
+                             f"shared by all examples, such as a position embedding called with "
+                             f"arange(T), must be frozen)")
         self.batch = batch
-        targets = self.by_module[module]
         work = targets[0].work_dtype
         change = sum(output_change(t, self.draws, x, batch, self.block_elements) for t in targets)
         return (output.to(work) + (self.sign * self.scale) * change).to(output.dtype)
