@@ -349,6 +349,26 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
         fk.GRZO(nn.Linear(2, 2), **{"lr": 0.1, **kwargs})
 
 
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_step_allocates_nothing_weight_sized(method):
+    """A 256 × 256 fp32 Linear (256 KiB) with block_elements = 2,048: the largest single
+    allocation of a step (both forwards, the update) is one block's int64 Philox words,
+    16 KiB, a sixteenth of the weight (torch's CPU profiler; peak memory is not measured)."""
+    from torch.profiler import ProfilerActivity, profile
+    model = nn.Linear(256, 256)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    if method == "GRZO":
+        opt = fk.GRZO(model, lr=1e-3, block_elements=2048)
+        closure = lambda: (model(x) ** 2).sum(-1)  # noqa: E731
+    else:
+        opt = fk.MeZO(model, lr=1e-3, block_elements=2048)
+        closure = lambda: (model(x) ** 2).mean()  # noqa: E731
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step(closure)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= 8 * 2048 < model.weight.numel() * 4 // 8
+
+
 def test_grzo_and_mezo_are_not_element_wise_rules():
     assert not issubclass(fk.GRZO, fk.Rule) and not issubclass(fk.MeZO, fk.Rule)
 
