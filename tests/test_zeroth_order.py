@@ -187,6 +187,20 @@ def test_row_blocks_do_not_change_the_result():
             torch.testing.assert_close(a[n], b[n], rtol=1e-13, atol=1e-13)
 
 
+def test_the_padding_row_is_neither_perturbed_nor_updated():
+    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 3))
+    idx = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 6]])
+    opt = fk.GRZO(model, lr=0.1, normalize="none")
+    with torch.no_grad(), Perturbed(opt.targets, CallDraws(opt.seed, opt.call), 1.0, 1, 2**20):
+        hooked = model[0](idx)
+    assert_bitwise_equal(hooked[idx == 0], model[0].weight[0].detach().expand(3, 4), "padding outputs")
+    before = model[0].weight.detach().clone()
+    assert not opt.estimate(lambda: (model(idx) ** 2).sum((1, 2)))["0.weight"][0].any()
+    opt.step(lambda: (model(idx) ** 2).sum((1, 2)))
+    assert_bitwise_equal(model[0].weight[0].detach(), before[0], "padding row")
+    assert not torch.equal(model[0].weight[1:], before[1:])
+
+
 def test_estimate_writes_nothing():
     model, idx = _Small(torch.float32), _tokens()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

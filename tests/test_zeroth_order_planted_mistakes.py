@@ -9,7 +9,6 @@ planted into the product code (monkeypatch) and the claim's own check is run on 
   planted in properties/test_zeroth_order_signs.py).
 """
 
-import pytest
 import torch
 
 import forge_kernels as fk

@@ -136,7 +136,11 @@ class GRZO:
         if rows is None:
             return draws.base(target, None) * (weights @ row_signs) / batch
         mixed = row_signs[:, rows].T @ (weights[:, None] * draws.signs(target, COL, batch))
-        return draws.base(target, rows) * mixed / batch
+        estimate = draws.base(target, rows) * mixed / batch
+        padding = getattr(target.module, "padding_idx", None) if target.role == "embedding" else None
+        if padding is not None:
+            estimate[rows == padding] = 0
+        return estimate
 
     def _blocks(self, target):
         return row_blocks(target, self.block_elements) if target.is_matrix else [None]

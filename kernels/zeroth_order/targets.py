@@ -7,7 +7,8 @@ Supported (the module's own forward, not a subclass that overrides it):
 * ``nn.Linear``: weight (matrix: Δ_i = U ⊙ r_i s_iᵀ, output gains r_i ⊙ (U (s_i ⊙ x_i)))
   and bias (vector: Δ_i = u ⊙ t_i);
 * ``nn.Embedding`` without ``max_norm``: weight (matrix over vocabulary × width; the
-  output of token v in example i gains U[v] ⊙ r_i[v] s_i);
+  output of token v in example i gains U[v] ⊙ r_i[v] s_i; the ``padding_idx`` row, which
+  torch never trains, is neither perturbed nor updated);
 * ``nn.LayerNorm`` (weight, bias) and ``nn.RMSNorm`` (weight): vectors; the output
   gains n(x_i) ⊙ u ⊙ t_i for the weight (n the normalisation without affine) and
   u ⊙ t_i for the bias.
@@ -130,6 +131,8 @@ def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elem
         flat = x.reshape(batch, -1)
         used, inverse = torch.unique(flat, return_inverse=True)
         rows = draws.signs(target, ROW, batch).gather(1, flat)
+        if target.module.padding_idx is not None:
+            rows = rows * (flat != target.module.padding_idx)  # the padding row is not trained
         change = draws.base(target, used)[inverse] * rows[..., None] * draws.signs(target, COL, batch)[:, None, :]
         return change.reshape(*x.shape, target.cols)
     shape = target.param.shape
