@@ -59,3 +59,12 @@ def sign_product_radius(samples: int) -> float:
     """5/√n: |mean of n independent ±1 products| exceeds it with probability at most
     2 exp(-12.5) < 7.5e-6 (Hoeffding for variables in [-1, 1])."""
     return 5 / math.sqrt(samples)
+
+
+def dkw_radius(samples: int, false_alarm: float) -> float:
+    """t with P(sup_x |F_n(x) - F(x)| > t) <= false_alarm for the empirical distribution
+    function of ``samples`` independent draws from a continuous F (Dvoretzky–Kiefer–
+    Wolfowitz with Massart's constant: 2 exp(-2 n t^2))."""
+    if samples <= 0 or not 0 < false_alarm < 1:
+        raise ValueError("need samples > 0 and 0 < false_alarm < 1")
+    return math.sqrt(math.log(2 / false_alarm) / (2 * samples))
