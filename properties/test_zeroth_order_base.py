@@ -3,9 +3,10 @@
 * distribution: sup |F_n - Φ| ≤ the DKW radius for a false alarm of 1e-6 (Massart's
   constant), over 2**17 draws of one stream, Φ from scipy;
 * neighbours and successive calls: with V = Φ(U) - ½ (uniform on [-½, ½] under the claim),
-  |mean V_j V_{j+1}| and |mean V V'| (V' from call 1) ≤ sqrt(ln(2/α)/(8n)), α = 1e-6
-  (Hoeffding: under independence the products have mean 0 and lie in [-¼, ¼]). This
-  detects a rank correlation above about 0.045 (E[V V'] = ρ_s / 12).
+  |mean V V'| (V' from call 1) ≤ sqrt(ln(2/α)/(8n)) and |mean V_j V_{j+1}| ≤
+  sqrt(ln(4/α)/(4n)) (Hoeffding: under independence the products have mean 0 and lie in
+  [-¼, ¼]; neighbours split into two families of disjoint pairs, proofs/zeroth_order.md),
+  α = 1e-6. This detects a rank correlation above about 0.05 (E[V V'] = ρ_s / 12).
 """
 
 import math
@@ -42,8 +43,10 @@ def test_the_base_is_standard_normal(dtype):
 @pytest.mark.stats
 def test_neighbouring_entries_and_successive_calls_are_uncorrelated():
     v, later = (torch.from_numpy(norm.cdf(_base(call).numpy())) - 0.5 for call in (0, 1))
-    for what, products in (("neighbours", v[1:] * v[:-1]), ("calls", v * later)):
-        radius = math.sqrt(math.log(2 / FALSE_ALARM) / (8 * products.numel()))
+    n = SAMPLES - 2  # twice the smaller family: (SAMPLES - 2)/2 = 65,535 products
+    for what, products, radius in (
+            ("neighbours", v[1:] * v[:-1], math.sqrt(math.log(4 / FALSE_ALARM) / (4 * n))),
+            ("calls", v * later, math.sqrt(math.log(2 / FALSE_ALARM) / (8 * SAMPLES)))):
         mean = float(products.mean())
         assert abs(mean) <= radius, f"{what}: {mean}"
         observe(abs(mean) / radius, RADIUS)
