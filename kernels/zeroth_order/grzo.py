@@ -124,9 +124,9 @@ class GRZO:
         return losses[0], losses[1], batch
 
     def _draw(self, closure, draws):
+        """The two forwards and the coefficients c_i (None: all-equal δ under "std")."""
         plus, minus, batch = self._forwards(closure, draws)
-        c = coefficients(plus, minus, self.sigma, self.normalize, self.eps)
-        return draws, plus, minus, batch, c
+        return plus, minus, batch, coefficients(plus, minus, self.sigma, self.normalize, self.eps)
 
     def _block_estimate(self, target, draws, c, batch, rows):
         """ĝ at ``rows`` of a matrix target (or the whole vector when ``rows`` is None)."""
@@ -155,7 +155,7 @@ class GRZO:
     def estimate_with(self, draws, closure) -> dict:
         """``estimate`` with given draws (any object with ``base`` and ``signs`` like
         ``CallDraws``; the harness passes enumerated sign patterns); the counter stays."""
-        draws, _, _, batch, c = self._draw(closure, draws)
+        _, _, batch, c = self._draw(closure, draws)
         if c is None:
             warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
                                         f"standard deviation is 0; the estimate is zero"), stacklevel=3)
@@ -172,7 +172,8 @@ class GRZO:
 
     def step(self, closure) -> ZerothOrderStep:
         """One update W ← W - lr (ĝ + weight_decay W) of every target, row block by row block."""
-        draws, plus, minus, batch, c = self._draw(closure, CallDraws(self.seed, self.call))
+        draws = CallDraws(self.seed, self.call)
+        plus, minus, batch, c = self._draw(closure, draws)
         self.call += 1
         if c is None:
             warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
