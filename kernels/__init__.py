@@ -8,7 +8,7 @@ from . import _backend  # noqa: F401  (must run before any @triton.jit below)
 from . import q8
 from ._backend import interpreting, kernel_device
 from .config import PINNED, TileConfig
-from .errors import NonFiniteInputError, NonFiniteUpdateError
+from .errors import NoStepWarning, NonFiniteInputError, NonFiniteLossError, NonFiniteUpdateError
 from .linear import ForgeLinear, ForgeLinearFunction, check_updates, fuse
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.update_report import UpdateReport
@@ -18,6 +18,7 @@ from .ops.weight_gradient import weight_gradient
 from .weight_slice import WeightSlice
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, RMSprop, Rule, bias_corrections
 from .training import Trainer, fused_layers, unfused_parameters
+from .zeroth_order import GRZO, MeZO, ZerothOrderStep
 
 __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
@@ -25,4 +26,5 @@ __all__ = [
     "ForgeLinear", "ForgeLinearFunction", "fuse", "check_updates", "Trainer", "fused_layers", "unfused_parameters",
     "WeightSlice", "UpdateReport",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",
+    "GRZO", "MeZO", "ZerothOrderStep", "NonFiniteLossError", "NoStepWarning",
 ]

@@ -20,3 +20,14 @@ class NonFiniteUpdateError(FloatingPointError):
     def __init__(self, message, tiles):
         super().__init__(message)
         self.tiles = tiles
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A zeroth-order optimizer's closure returned a NaN or an infinity; no step was taken
+    and the draw counter did not advance (GRZO's weights were never touched; MeZO's were
+    restored from the perturbation, see ``MeZO``)."""
+
+
+class NoStepWarning(RuntimeWarning):
+    """A zeroth-order step found no direction (GRZO, normalize="std": every per-example
+    difference equal) and left the weights as they were."""

@@ -75,6 +75,20 @@ def test_parallelism_example_runs(rank_pool):
     assert rank_pool(2).run(_run_parallelism_example, _python_block("Parallelism")) == [True, True]
 
 
+def test_zeroth_order_example_runs():
+    from torch import nn
+    from torch.nn import functional as F
+    model = nn.Sequential(nn.Embedding(16, 8), nn.LayerNorm(8), nn.Linear(8, 16))
+    tokens = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(0))
+    names = {"model": model, "tokens": tokens, "labels": tokens, "F": F,
+             "loss_fn": lambda logits, labels: F.cross_entropy(logits.transpose(1, 2), labels)}
+    before = model[2].weight.detach().clone()
+    exec(compile(_python_block("Zeroth-order fine-tuning"), "README.md", "exec"), names)
+    assert names["result"].stepped and names["state"]["call"] == 2
+    assert set(names["grads"]) == {"0.weight", "1.weight", "1.bias", "2.weight", "2.bias"}
+    assert not torch.equal(model[2].weight, before)
+
+
 def test_readme_counts_match_the_code():
     """The counts the README states follow the code they describe."""
     from forge_verify.checks.problems import REGIMES

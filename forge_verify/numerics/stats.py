@@ -44,3 +44,27 @@ def stagnation_radius(additions: int, chains: int, false_alarm: float) -> float:
     if not 0 <= additions <= 1000:
         raise ValueError("the addition slack is derived for at most 1,000 additions")
     return azuma_radius(additions * chains * (2.0**-6 / chains) ** 2, false_alarm) + STAGNATION_ADDITION_SLACK
+
+
+def chebyshev_radius(variance: float, samples: int, false_alarm: float) -> float:
+    """t with P(‖mean - E‖ >= t) <= false_alarm for the mean of ``samples`` independent
+    vectors whose covariance has trace at most ``variance`` (Chebyshev–Markov on the
+    squared norm: E‖mean - E‖² = variance / samples); also the scalar case."""
+    if variance < 0 or samples <= 0 or not 0 < false_alarm < 1:
+        raise ValueError("need variance >= 0, samples > 0 and 0 < false_alarm < 1")
+    return math.sqrt(variance / (samples * false_alarm))
+
+
+def sign_product_radius(samples: int) -> float:
+    """5/√n: |mean of n independent ±1 products| exceeds it with probability at most
+    2 exp(-12.5) < 7.5e-6 (Hoeffding for variables in [-1, 1])."""
+    return 5 / math.sqrt(samples)
+
+
+def dkw_radius(samples: int, false_alarm: float) -> float:
+    """t with P(sup_x |F_n(x) - F(x)| > t) <= false_alarm for the empirical distribution
+    function of ``samples`` independent draws from a continuous F (Dvoretzky–Kiefer–
+    Wolfowitz with Massart's constant: 2 exp(-2 n t^2))."""
+    if samples <= 0 or not 0 < false_alarm < 1:
+        raise ValueError("need samples > 0 and 0 < false_alarm < 1")
+    return math.sqrt(math.log(2 / false_alarm) / (2 * samples))

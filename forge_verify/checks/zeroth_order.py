@@ -1,0 +1,256 @@
+"""Claims about zeroth-order fine-tuning (GRZO, MeZO) as functions: quadratic test
+problems whose gradients are known, draws injected pattern by pattern, the exact moments
+of the estimators (proofs/zeroth_order.md) and many calls' estimates at once.
+
+The estimators' exact statistics on quadratic per-example losses ℓ_i, gradients g_i,
+ḡ their mean, d the number of perturbed coordinates:
+
+* GRZO (normalize="none"): E[ĝ | U] = U ⊙ U ⊙ ḡ, E[ĝ] = ḡ,
+  tr Cov(ĝ) = ((d - 1)/B) mean‖g_i‖² + 2‖ḡ‖²;
+* MeZO: E[ĝ] = ḡ, tr Cov(ĝ) = (d + 1)‖ḡ‖².
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from forge_kernels.zeroth_order.draws import BASE, COL, ROW, philox4x32, stream_key
+
+
+@dataclass
+class QuadraticProblem:
+    """One float64 nn.Linear and per-example losses ℓ_i = ½‖W x_i + b - y_i‖², quadratic
+    in (W, b), so central differences are exact and each g_i is known in closed form."""
+
+    model: nn.Linear
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    def losses(self) -> torch.Tensor:
+        return 0.5 * ((self.model(self.inputs) - self.targets) ** 2).sum(-1)
+
+    def closure(self):
+        return self.losses
+
+    def per_example_gradients(self) -> torch.Tensor:
+        """(B, d): g_i flattened as [weight row-major, bias], the optimizer's target order."""
+        with torch.no_grad():
+            residual = self.model(self.inputs) - self.targets
+            weight = residual[:, :, None] * self.inputs[:, None, :]
+            parts = [weight.reshape(len(residual), -1)]
+            if self.model.bias is not None:
+                parts.append(residual)
+            return torch.cat(parts, dim=1)
+
+    @property
+    def dimension(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def quadratic_problem(d_out: int, d_in: int, batch: int, *, identical: bool, bias: bool = True,
+                      seed: int = 0) -> QuadraticProblem:
+    """Identical examples (every g_i the same) or heterogeneous ones (drawn independently)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = nn.Linear(d_in, d_out, bias=bias).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
+    rows = 1 if identical else batch
+    inputs = torch.randn(rows, d_in, generator=generator, dtype=torch.float64).expand(batch, d_in).clone()
+    targets = torch.randn(rows, d_out, generator=generator, dtype=torch.float64).expand(batch, d_out).clone()
+    return QuadraticProblem(model, inputs, targets)
+
+
+def flatten(estimate: dict, names) -> torch.Tensor:
+    return torch.cat([estimate[n].reshape(-1) for n in names])
+
+
+# --- exact moments ------------------------------------------------------------------
+
+def grzo_trace_variance(grads: torch.Tensor) -> float:
+    """((d - 1)/B) mean‖g_i‖² + 2‖ḡ‖² for per-example gradients (B, d)."""
+    batch, d = grads.shape
+    mean = grads.mean(0)
+    return float((d - 1) / batch * (grads ** 2).sum(1).mean() + 2 * (mean ** 2).sum())
+
+
+def mezo_trace_variance(mean_grad: torch.Tensor) -> float:
+    """(d + 1)‖ḡ‖²."""
+    return float((mean_grad.numel() + 1) * (mean_grad ** 2).sum())
+
+
+def grzo_helps(grads: torch.Tensor) -> bool:
+    """GRZO's trace variance is below MeZO's exactly when mean‖g_i - ḡ‖² < (B - 1)‖ḡ‖²."""
+    batch = grads.shape[0]
+    mean = grads.mean(0)
+    return bool(((grads - mean) ** 2).sum(1).mean() < (batch - 1) * (mean ** 2).sum())
+
+
+def grzo_conditional_second_moment(base: torch.Tensor, grads: torch.Tensor) -> float:
+    """E[‖ĝ‖² | U] = (1/B²)(‖U‖² Σ_i Σ_n g_in² U_n² + Σ_{i≠i'} Σ_m U_m⁴ g_im g_i'm), for
+    signs whose products are pairwise orthogonal within an example and independent
+    across examples (proofs/zeroth_order.md, "Second moment")."""
+    batch = grads.shape[0]
+    u2 = base ** 2
+    diagonal = (u2.sum() * (grads ** 2 * u2).sum())
+    total = grads.sum(0)
+    cross = (u2 ** 2 * (total ** 2 - (grads ** 2).sum(0))).sum()
+    return float((diagonal + cross) / batch**2)
+
+
+def fourth_moment_factor(d: int) -> int:
+    """K_d with E[⟨g, z⟩⁴ ‖z‖⁴] = K_d ‖g‖⁴ for z ~ N(0, I_d): 3d² + 30d + 72. Bounds
+    E‖ĝ‖⁴ by K_d ‖ḡ‖⁴ (MeZO, equality) and K_d mean‖g_i‖⁴ (GRZO, proofs/zeroth_order.md)."""
+    return 3 * d * d + 30 * d + 72
+
+
+def gaussian_expectation(function, d: int, nodes: int = 3) -> float:
+    """E f(U), U ~ N(0, I_d), by tensor Gauss–Hermite quadrature: exact for polynomials
+    of degree at most 2·nodes - 1 in each coordinate (3 nodes: degree 5)."""
+    points, weights = np.polynomial.hermite_e.hermegauss(nodes)
+    weights = weights / weights.sum()
+    total = 0.0
+    for index in itertools.product(range(nodes), repeat=d):
+        u = torch.tensor([points[i] for i in index], dtype=torch.float64)
+        total += float(np.prod([weights[i] for i in index])) * function(u)
+    return total
+
+
+# --- injected draws -----------------------------------------------------------------
+
+class FixedDraws:
+    """A fixed base U per target and given signs per (target, kind): the interface of
+    ``forge_kernels.zeroth_order.draws.CallDraws``, for enumerating sign patterns."""
+
+    def __init__(self, bases: dict, signs: dict):
+        self.bases, self.sign_table = bases, signs
+
+    def base(self, target, rows):
+        u = self.bases[target.name].to(target.work_dtype)
+        return u if rows is None else u[rows]
+
+    def signs(self, target, kind, batch):
+        return self.sign_table[(target.name, kind)].to(target.work_dtype)
+
+
+def sign_slots(opt) -> list:
+    """(target name, kind, size) of every sign vector one example draws."""
+    slots = []
+    for t in opt.targets:
+        slots.append((t.name, ROW, t.rows))
+        if t.is_matrix:
+            slots.append((t.name, COL, t.cols))
+    return slots
+
+
+def enumerated_estimates(opt, closure, bases: dict, batch: int) -> torch.Tensor:
+    """ĝ (flattened in target order) for every joint sign pattern of every example,
+    through the optimizer's own hooks and update formula (``estimate_with``), U fixed."""
+    slots = sign_slots(opt)
+    per_example = sum(size for _, _, size in slots)
+    names = [t.name for t in opt.targets]
+    out = []
+    for bits in itertools.product((1.0, -1.0), repeat=per_example * batch):
+        grid = torch.tensor(bits, dtype=torch.float64).reshape(batch, per_example)
+        table, start = {}, 0
+        for name, kind, size in slots:
+            table[(name, kind)] = grid[:, start:start + size]
+            start += size
+        out.append(flatten(opt.estimate_with(FixedDraws(bases, table), closure), names))
+    return torch.stack(out)
+
+
+# --- many calls at once -------------------------------------------------------------
+
+def _keys(seed, calls, name, kind) -> torch.Tensor:
+    return torch.tensor([stream_key(seed, c, name, kind) for c in calls], dtype=torch.int64)
+
+
+def _normal(keys, counters):
+    w0, w1, _, _ = philox4x32(keys, counters)
+    u1 = (w0.to(torch.float64) + 0.5) * 2.0**-32
+    u2 = w1.to(torch.float64) * 2.0**-32
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * np.pi) * u2)
+
+
+def _signs(keys, counters):
+    return (1 - 2 * (philox4x32(keys, counters)[0] >> 31)).to(torch.float64)
+
+
+def grzo_projections_over_calls(problem: QuadraticProblem, seed: int, calls: range):
+    """(Δ_i of every call (n, B, d), δ_i = ⟨g_i, Δ_i⟩ (n, B)) of calls ``calls`` of
+    ``GRZO(problem.model, seed=seed)``, from the same Philox streams, all at once; δ_i is
+    the exact central difference of the quadratic losses."""
+    model, grads = problem.model, problem.per_example_gradients()
+    batch = grads.shape[0]
+    d_out, d_in = model.weight.shape
+    n = len(calls)
+    ex = torch.arange(batch)
+
+    def key(name, kind):
+        return _keys(seed, calls, name, kind)[:, None, None]
+
+    u_w = _normal(key("weight", BASE)[:, :, 0], torch.arange(d_out * d_in)[None, :])  # (n, d_out*d_in)
+    r = _signs(key("weight", ROW), ex[None, :, None] * d_out + torch.arange(d_out)[None, None, :])
+    s = _signs(key("weight", COL), ex[None, :, None] * d_in + torch.arange(d_in)[None, None, :])
+    directions = [u_w[:, None, :] * (r[:, :, :, None] * s[:, :, None, :]).reshape(n, batch, -1)]
+    if model.bias is not None:
+        u_b = _normal(key("bias", BASE)[:, :, 0], torch.arange(d_out)[None, :])
+        t = _signs(key("bias", ROW), ex[None, :, None] * d_out + torch.arange(d_out)[None, None, :])
+        directions.append(u_b[:, None, :] * t)
+    delta = torch.cat(directions, dim=2)
+    return delta, (delta * grads[None]).sum(2)
+
+
+def grzo_estimates_over_calls(problem: QuadraticProblem, seed: int, calls: range) -> torch.Tensor:
+    """(len(calls), d): the normalize="none" estimates of those calls, (1/B) Σ_i δ_i Δ_i."""
+    delta, projections = grzo_projections_over_calls(problem, seed, calls)
+    return (projections[:, :, None] * delta).mean(1)
+
+
+def mezo_estimates_over_calls(problem: QuadraticProblem, seed: int, calls: range) -> torch.Tensor:
+    """(len(calls), d): the estimates of calls ``calls`` of ``MeZO(problem.model, seed=seed)``,
+    with (L⁺ - L⁻)/(2ε) = ⟨ḡ, z⟩ exactly."""
+    mean = problem.per_example_gradients().mean(0)
+    parts = []
+    for name, p in problem.model.named_parameters():
+        parts.append(_normal(_keys(seed, calls, name, BASE)[:, None], torch.arange(p.numel())[None, :]))
+    z = torch.cat(parts, dim=1)
+    return (z @ mean)[:, None] * z
+
+
+# --- signs ------------------------------------------------------------------------------
+
+def neighbour_products(signs: torch.Tensor) -> dict:
+    """{what: (mean, count)} of products of neighbouring ±1 signs of a (B × size) draw:
+    examples i and i + 1 at the same index, indices j and j + 1 in the same example, and
+    the mean sign itself. Independent fair signs give means of order 1/√count."""
+    return {"examples": ((signs[1:] * signs[:-1]).mean().item(), signs[1:].numel()),
+            "indices": ((signs[:, 1:] * signs[:, :-1]).mean().item(), signs[:, 1:].numel()),
+            "marginal": (signs.mean().item(), signs.numel())}
+
+
+def parity_signs(batch: int, size: int, seed: int) -> torch.Tensor:
+    """The GRZO code's norm and embedding signs: ((a·odd + b·odd + seed) & 1), a parity of
+    example and index, i.e. a checkerboard (a planted mistake for the sign tests)."""
+    a = torch.arange(batch)[:, None] * 0x9E3779B1
+    b = torch.arange(size)[None, :] * 0x85EBCA77
+    return (1 - 2 * ((a + b + seed) & 1)).to(torch.float64)
+
+
+def enumeration_errors(problem: QuadraticProblem, bases: dict, opt) -> tuple:
+    """(|mean ĝ - U ⊙ U ⊙ ḡ|_max / s, |mean ‖ĝ‖² - closed form| / s²) over every joint sign
+    pattern, s = ‖U‖² max‖g_i‖: both are float64 rounding, far below 1e-10, when the
+    optimizer is right (``opt`` built on ``problem.model`` with normalize="none")."""
+    batch = problem.inputs.shape[0]
+    estimates = enumerated_estimates(opt, problem.closure(), bases, batch)
+    parts = [bases["weight"].reshape(-1)] + ([bases["bias"]] if problem.model.bias is not None else [])
+    u = torch.cat(parts)
+    grads = problem.per_example_gradients()
+    scale = float((u ** 2).sum() * grads.norm(dim=1).max())
+    mean_error = float((estimates.mean(0) - u * u * grads.mean(0)).abs().max())
+    second_error = abs(float((estimates ** 2).sum(1).mean()) - grzo_conditional_second_moment(u, grads))
+    return mean_error / scale, second_error / scale**2

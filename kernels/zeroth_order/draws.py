@@ -1,0 +1,154 @@
+"""Counter-based draws for zeroth-order fine-tuning, in torch on any device.
+
+Every random number is Philox4x32-10 (Triton's ``tl.randint4x``, the generator behind
+``forge_kernels.stochastic_round``) with a 64-bit key that names the stream and a 32-bit
+counter that is the global index of the element drawn. A stream is one
+(seed, call, parameter name, kind) and its key is SplitMix64 of those, so
+
+* the draws of a call depend on nothing else: not on tiles, blocks, launch order, the
+  batch size or the device;
+* the draws of a slice (a tensor-parallel shard, a row block) are the slice of the
+  whole's draws, given the slice's global offsets.
+
+Kinds: ``BASE`` the standard normal base U (counter: row-major flat index), ``ROW`` and
+``COL`` the per-example Rademacher signs (counter: example · size + index).
+
+Philox is computed on int64 tensors holding uint32 values; 32×32-bit products are split
+into 32×16-bit halves so that nothing overflows int64. The normal is Box–Muller in
+float64 on two 32-bit words, then rounded to the working dtype: sign bits are the same
+on every machine; a normal is the same wherever float64 ``log``/``cos`` agree to within
+the rounding to the working dtype (two libraries differing by one float64 ulp change an
+fp32 value with probability about 2**-29; the tests compare torch with numpy).
+"""
+
+import functools
+import hashlib
+import math
+
+import torch
+
+from ..ops.stochastic_round import MAX_COUNTER, _splitmix64, check_seed
+
+BASE, ROW, COL = 0, 1, 2
+_M32 = 0xFFFFFFFF
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+@functools.lru_cache(maxsize=4096)
+def name_hash(name: str) -> int:
+    """A stable 64-bit hash of a parameter name (Python's ``hash`` varies per process)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def stream_key(seed: int, call: int, name: str, kind: int) -> int:
+    """The Philox key (below 2**63) of one stream: SplitMix64 of seed, call, name, kind."""
+    check_seed(seed)
+    if isinstance(call, bool) or not isinstance(call, int) or not 0 <= call < 2**62:
+        raise ValueError(f"call must be an integer in [0, 2**62), got {call!r}")
+    z = _splitmix64(_splitmix64(seed) ^ call)
+    z = _splitmix64(z ^ name_hash(name))
+    return _splitmix64(z ^ kind) >> 1
+
+
+def _mulhilo(constant: int, x: torch.Tensor):
+    """(high, low) 32-bit words of constant · x, for x holding uint32 values in int64."""
+    low16 = x * (constant & 0xFFFF)
+    high16 = x * (constant >> 16)
+    t = low16 + ((high16 & 0xFFFF) << 16)
+    return (high16 >> 16) + (t >> 32), t & _M32
+
+
+def philox4x32(key, counter: torch.Tensor, rounds: int = 10):
+    """The four output words (int64 tensors with values in [0, 2**32)) of Philox4x32 with
+    key (key lo, key hi) and counter (c, 0, 0, 0): ``tl.randint4x(key, counter)``.
+    ``key`` is an int below 2**63 or an int64 tensor of such keys broadcasting against
+    ``counter`` (many streams at once)."""
+    if isinstance(key, int) and not 0 <= key < 2**63:
+        raise ValueError("keys are below 2**63")
+    c0 = counter.to(torch.int64)
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = key & _M32, (key >> 32) & _M32
+    for _ in range(rounds):
+        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def _check_counters(counter: torch.Tensor):
+    if counter.numel() and (int(counter.min()) < 0 or int(counter.max()) >= MAX_COUNTER):
+        raise ValueError("a stream has 2**32 counters; this draw needs more (a tensor or "
+                         "batch too large for one stream)")
+
+
+def standard_normal(key: int, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """N(0, 1) at each counter: Box–Muller (cosine branch) in float64 on words 0 and 1,
+    u1 = (w0 + 1/2) / 2**32 in (0, 1) so the logarithm is finite, then rounded to ``dtype``."""
+    _check_counters(counter)
+    w0, w1, _, _ = philox4x32(key, counter)
+    u1 = (w0.to(torch.float64) + 0.5) * 2.0**-32
+    u2 = w1.to(torch.float64) * 2.0**-32
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)).to(dtype)
+
+
+def rademacher(key: int, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """±1 at each counter: the top bit of word 0 (1 gives -1)."""
+    _check_counters(counter)
+    w0 = philox4x32(key, counter)[0]
+    return (1 - 2 * (w0 >> 31)).to(dtype)
+
+
+def base_rows(key: int, rows: torch.Tensor, cols: int, dtype, *, row_offset: int = 0,
+              col_offset: int = 0, full_cols: int = None) -> torch.Tensor:
+    """Rows ``rows`` (local indices) of the standard normal base of a (rows × cols) block
+    at (row_offset, col_offset) of a matrix with ``full_cols`` columns: element (j, k)
+    draws counter (row_offset + j) · full_cols + col_offset + k."""
+    full_cols = cols if full_cols is None else full_cols
+    local = torch.arange(cols, device=rows.device, dtype=torch.int64)
+    counter = (rows.to(torch.int64)[:, None] + row_offset) * full_cols + col_offset + local[None, :]
+    return standard_normal(key, counter, dtype)
+
+
+def example_signs(key: int, batch: int, size: int, dtype, device, *, offset: int = 0,
+                  full_size: int = None) -> torch.Tensor:
+    """(batch × size) Rademacher signs: example i, index j (local; global offset + j)
+    draws counter i · full_size + offset + j."""
+    full_size = size if full_size is None else full_size
+    examples = torch.arange(batch, device=device, dtype=torch.int64)
+    local = torch.arange(size, device=device, dtype=torch.int64)
+    counter = examples.to(torch.int64)[:, None] * full_size + offset + local[None, :]
+    return rademacher(key, counter, dtype)
+
+
+class CallDraws:
+    """The draws of one call (seed, call) for any target: U regenerated on request, row
+    by row (never stored), and each example's signs (small, cached for the call)."""
+
+    def __init__(self, seed: int, call: int):
+        self.seed, self.call = seed, call
+        self._signs = {}
+
+    def key(self, target, kind: int) -> int:
+        return stream_key(self.seed, self.call, target.name, kind)
+
+    def base(self, target, rows) -> torch.Tensor:
+        """U at ``rows`` (a row-index tensor) of a matrix target, or the whole of a vector
+        target's u when ``rows`` is None."""
+        key = self.key(target, BASE)
+        if rows is None:
+            counter = torch.arange(target.rows, device=target.param.device)
+            return standard_normal(key, counter, target.work_dtype)
+        return base_rows(key, rows, target.cols, target.work_dtype)
+
+    def signs(self, target, kind: int, batch: int) -> torch.Tensor:
+        """(batch × size) signs of ``kind`` (ROW: rows or a vector's elements, COL: columns)."""
+        cached = self._signs.get((target.name, kind, batch))
+        if cached is None:
+            size = target.rows if kind == ROW else target.cols
+            cached = example_signs(self.key(target, kind), batch, size, target.work_dtype, target.param.device)
+            self._signs[(target.name, kind, batch)] = cached
+        return cached

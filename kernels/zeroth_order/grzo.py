@@ -1,0 +1,216 @@
+"""GRZO: zeroth-order fine-tuning with one pseudo-independent perturbation per example.
+
+For a matrix parameter W (d_out × d_in) the perturbation of example i is
+Δ_i = U ⊙ r_i s_iᵀ (Flipout): U a standard normal base shared by the batch, regenerated
+from the seed and never stored, r_i and s_i Rademacher signs; a vector parameter has
+Δ_i = u ⊙ t_i. Two batched forwards with hooks (+σ, -σ) give per-example losses
+ℓ_i^±, δ_i = (ℓ_i^+ - ℓ_i^-)/(2σ), and the estimate ĝ = (1/B) Σ_i c_i Δ_i with c_i = δ_i
+(``normalize="none"``: unbiased for the mean loss's gradient) or
+c_i = δ_i / (std(δ) + eps) (``"std"``, Bessel-corrected, as in the paper; biased).
+The step is W ← W - lr (ĝ + weight_decay W), row block by row block.
+
+Exact statistics on quadratic losses (proofs/zeroth_order.md): E[ĝ | U] = U ⊙ U ⊙ ḡ,
+E[ĝ] = ḡ, trace of the covariance ((d - 1)/B) mean‖g_i‖² + 2‖ḡ‖².
+"""
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import NoStepWarning, NonFiniteLossError
+from ..ops.stochastic_round import check_seed
+from .draws import COL, ROW, CallDraws
+from .targets import Perturbed, find_targets, row_blocks
+
+NORMALIZATIONS = ("std", "none")
+#: default size of a row block of U (elements) regenerated at a time
+BLOCK_ELEMENTS = 2**20
+
+
+@dataclass
+class ZerothOrderStep:
+    """What one step saw: the losses at +σ and -σ, the per-example coefficients c_i
+    (None when no step was taken) and whether the weights moved."""
+
+    losses_plus: torch.Tensor
+    losses_minus: torch.Tensor
+    coefficients: torch.Tensor
+    stepped: bool
+
+
+def _check_nonnegative(name, value, positive=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
+    return float(value)
+
+
+def _check_block_elements(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"block_elements must be a positive integer, got {value!r}")
+    return value
+
+
+def per_example_losses(value, what="the closure") -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
+        raise TypeError(f"{what} must return the B per-example losses as a 1-D floating tensor, got "
+                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+    return value.detach()
+
+
+def coefficients(losses_plus, losses_minus, sigma, normalize, eps):
+    """c_i in float64, or None when ``"std"`` finds every δ_i equal (std 0: a_i would be
+    δ_i / eps). Raises on non-finite losses and on B = 1 under ``"std"``."""
+    lp, lm = losses_plus.to(torch.float64), losses_minus.to(torch.float64)
+    if not (torch.isfinite(lp).all() and torch.isfinite(lm).all()):
+        raise NonFiniteLossError("a per-example loss is not finite (NaN or infinity); no step was taken")
+    delta = (lp - lm) / (2 * sigma)
+    if normalize == "none":
+        return delta
+    if delta.numel() < 2:
+        raise ValueError('normalize="std" needs at least 2 examples: the standard deviation of one '
+                         'difference is undefined (use normalize="none" for B = 1)')
+    spread = delta.std(correction=1)
+    if spread == 0:
+        return None
+    return delta / (spread + eps)
+
+
+class GRZO:
+    """``GRZO(model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0)``.
+
+    ``step(closure)`` and ``estimate(closure)``: the closure runs the model's forward
+    (hooks perturb it; weights are never touched by the forwards) and returns the B
+    per-example losses, a 1-D tensor. Both advance the draw counter, so the k-th call
+    of either uses the draws of call k; ``estimate`` returns {name: ĝ} (fp32 for fp32
+    and bf16 parameters, fp64 for fp64) and writes nothing.
+
+    Refused, with nothing written and the counter kept: non-finite losses
+    (``NonFiniteLossError``), B = 1 under ``"std"``, a closure of the wrong shape.
+    Under ``"std"`` all-equal δ takes no step (``NoStepWarning``; the counter advances).
+    """
+
+    method = "GRZO"
+
+    def __init__(self, model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0,
+                 block_elements=BLOCK_ELEMENTS):
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+        self.lr = _check_nonnegative("lr", lr)
+        self.sigma = _check_nonnegative("sigma", sigma, positive=True)
+        self.eps = _check_nonnegative("eps", eps)
+        self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
+        self.normalize = normalize
+        self.seed = check_seed(seed)
+        self.block_elements = _check_block_elements(block_elements)
+        self.targets = find_targets(model, self.method)
+        self.call = 0
+
+    def _forwards(self, closure, draws):
+        batches, losses = [], []
+        with torch.no_grad():
+            for sign in (1, -1):
+                with Perturbed(self.targets, draws, self.sigma, sign, self.block_elements) as hooks:
+                    losses.append(per_example_losses(closure()))
+                batches.append(hooks.batch)
+        batch = losses[0].numel()
+        for seen in batches:
+            if seen is not None and seen != batch:
+                raise ValueError(f"the closure returned {batch} losses but the perturbed modules saw batch {seen}")
+        if losses[1].numel() != batch:
+            raise ValueError(f"the closure returned {batch} losses at +sigma and {losses[1].numel()} at -sigma")
+        return losses[0], losses[1], batch
+
+    def _draw(self, closure, draws):
+        """The two forwards and the coefficients c_i (None: all-equal δ under "std")."""
+        plus, minus, batch = self._forwards(closure, draws)
+        return plus, minus, batch, coefficients(plus, minus, self.sigma, self.normalize, self.eps)
+
+    def _block_estimate(self, target, draws, c, batch, rows):
+        """ĝ at ``rows`` of a matrix target (or the whole vector when ``rows`` is None)."""
+        work = target.work_dtype
+        weights = c.to(work)
+        row_signs = draws.signs(target, ROW, batch)
+        if rows is None:
+            return draws.base(target, None) * (weights @ row_signs) / batch
+        mixed = row_signs[:, rows].T @ (weights[:, None] * draws.signs(target, COL, batch))
+        estimate = draws.base(target, rows) * mixed / batch
+        padding = getattr(target.module, "padding_idx", None) if target.role == "embedding" else None
+        if padding is not None:
+            estimate[rows == padding] = 0
+        return estimate
+
+    def _blocks(self, target):
+        return row_blocks(target, self.block_elements) if target.is_matrix else [None]
+
+    def estimate(self, closure) -> dict:
+        """{parameter name: ĝ} with the draws ``step`` would use now; nothing written.
+        All-equal δ under ``"std"`` gives zeros (and the warning)."""
+        out = self.estimate_with(CallDraws(self.seed, self.call), closure)
+        self.call += 1
+        return out
+
+    def estimate_with(self, draws, closure) -> dict:
+        """``estimate`` with given draws (any object with ``base`` and ``signs`` like
+        ``CallDraws``; the harness passes enumerated sign patterns); the counter stays."""
+        _, _, batch, c = self._draw(closure, draws)
+        if c is None:
+            warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
+                                        f"standard deviation is 0; the estimate is zero"), stacklevel=3)
+        out = {}
+        with torch.no_grad():
+            for target in self.targets:
+                if c is None:
+                    out[target.name] = torch.zeros(target.param.shape, dtype=target.work_dtype,
+                                                   device=target.param.device)
+                    continue
+                parts = [self._block_estimate(target, draws, c, batch, rows) for rows in self._blocks(target)]
+                out[target.name] = (torch.cat(parts) if target.is_matrix else parts[0]).reshape(target.param.shape)
+        return out
+
+    def step(self, closure) -> ZerothOrderStep:
+        """One update W ← W - lr (ĝ + weight_decay W) of every target, row block by row block."""
+        draws = CallDraws(self.seed, self.call)
+        plus, minus, batch, c = self._draw(closure, draws)
+        self.call += 1
+        if c is None:
+            warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
+                                        f"standard deviation is 0 and normalize='std' has no direction; "
+                                        f"no step taken (the weights are unchanged)"), stacklevel=2)
+            return ZerothOrderStep(plus, minus, None, False)
+        with torch.no_grad():
+            for target in self.targets:
+                flat = target.param.data if target.is_matrix else target.param.data.view(-1)
+                for rows in self._blocks(target):
+                    block = flat if rows is None else flat[rows[0]:rows[-1] + 1]
+                    current = block.to(target.work_dtype)
+                    grad = self._block_estimate(target, draws, c, batch, rows)
+                    block.copy_(current - self.lr * (grad + self.weight_decay * current))
+        return ZerothOrderStep(plus, minus, c, True)
+
+    def state_dict(self) -> dict:
+        return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr,
+                "sigma": self.sigma, "normalize": self.normalize, "eps": self.eps,
+                "weight_decay": self.weight_decay, "parameters": [t.name for t in self.targets]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the same draws follow, so a resumed run is bitwise the uninterrupted one."""
+        if state.get("method") != self.method:
+            raise ValueError(f"a {state.get('method')} state cannot be loaded into {self.method}")
+        names = [t.name for t in self.targets]
+        if state["parameters"] != names:
+            raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
+        if state["normalize"] not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}")
+        self.seed = check_seed(state["seed"])
+        self.lr = _check_nonnegative("lr", state["lr"])
+        self.sigma = _check_nonnegative("sigma", state["sigma"], positive=True)
+        self.eps = _check_nonnegative("eps", state["eps"])
+        self.weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
+        self.normalize = state["normalize"]
+        call = state["call"]
+        if isinstance(call, bool) or not isinstance(call, int) or call < 0:
+            raise ValueError(f"call must be a non-negative integer, got {call!r}")
+        self.call = call

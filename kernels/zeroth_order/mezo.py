@@ -1,0 +1,132 @@
+"""MeZO (the baseline): one Gaussian direction z over every trainable parameter, shared
+by the batch, applied in place: θ += εz, L⁺; θ -= 2εz, L⁻; θ += εz (restore); then
+ĝ = (L⁺ - L⁻)/(2ε) · z and θ ← θ - lr (ĝ + weight_decay θ). z is regenerated block by
+block from (seed, call, parameter name) whenever it is needed, never stored.
+
+The restore is not exact: each in-place write rounds, so θ comes back within
+½ (ulp(θ₁) + ulp(θ₂) + ulp(θ₃)) of where it was (fp32; bf16 adds its double rounding),
+θ_k the three stored values (proofs/zeroth_order.md, "MeZO's restore"); ``estimate``
+therefore changes the weights by at most that drift, and nothing else.
+"""
+
+import torch
+
+from ..errors import NonFiniteLossError
+from ..ops.stochastic_round import check_seed
+from .draws import BASE, standard_normal, stream_key
+from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative
+from .targets import SUPPORTED_DTYPES
+
+
+def _scalar_loss(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        return value.detach().reshape(())
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    raise TypeError(f"the closure must return the (mean) loss as a scalar, got "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+
+
+class MeZO:
+    """``MeZO(model, lr, eps=1e-3, weight_decay=0.0, seed=0)``; ``step(closure)``,
+    ``estimate(closure)`` (the closure returns a scalar loss), ``state_dict()``.
+
+    Every trainable floating parameter is perturbed, whatever its module. A non-finite
+    loss raises ``NonFiniteLossError`` after the restore, with no step and the counter kept.
+    """
+
+    method = "MeZO"
+
+    def __init__(self, model, lr, eps=1e-3, weight_decay=0.0, seed=0, block_elements=BLOCK_ELEMENTS):
+        self.lr = _check_nonnegative("lr", lr)
+        self.eps = _check_nonnegative("eps", eps, positive=True)
+        self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
+        self.seed = check_seed(seed)
+        self.block_elements = _check_block_elements(block_elements)
+        self.params, seen = [], set()
+        for name, param in model.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            if param.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"MeZO: parameter '{name}' is {param.dtype}; float32, bfloat16 and "
+                                f"float64 are supported")
+            seen.add(id(param))
+            self.params.append((name, param))
+        if not self.params:
+            raise ValueError("MeZO: the model has no trainable parameters")
+        self.call = 0
+
+    @staticmethod
+    def _work(param):
+        return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+    def _blocks(self, name, param):
+        """(flat view of a block, z of that block in the work dtype) over the parameter."""
+        flat = param.data.view(-1)
+        key = stream_key(self.seed, self.call, name, BASE)
+        for start in range(0, flat.numel(), self.block_elements):
+            stop = min(start + self.block_elements, flat.numel())
+            counter = torch.arange(start, stop, device=param.device)
+            yield flat[start:stop], standard_normal(key, counter, self._work(param))
+
+    def _shift(self, factor):
+        with torch.no_grad():
+            for name, param in self.params:
+                for block, z in self._blocks(name, param):
+                    block.copy_(block.to(z.dtype) + factor * (self.eps * z))
+
+    def _draw(self, closure):
+        losses, displaced = [], 0.0  # the weights sit at θ + displaced · εz
+        try:
+            with torch.no_grad():
+                for shift in (1.0, -2.0):
+                    self._shift(shift)
+                    displaced += shift
+                    losses.append(_scalar_loss(closure()))
+        finally:
+            if displaced:
+                self._shift(-displaced)
+        plus, minus = (v.to(torch.float64) for v in losses)
+        if not (torch.isfinite(plus) and torch.isfinite(minus)):
+            raise NonFiniteLossError("the loss is not finite (NaN or infinity); no step was taken "
+                                     "(the weights were restored from the perturbation)")
+        return plus, minus, (plus - minus) / (2 * self.eps)
+
+    def estimate(self, closure) -> dict:
+        """{parameter name: ĝ = (L⁺ - L⁻)/(2ε) z} in the work dtype (fp32 for fp32 and bf16)."""
+        _, _, projected = self._draw(closure)
+        out = {}
+        for name, param in self.params:
+            parts = [float(projected) * z for _, z in self._blocks(name, param)]
+            out[name] = torch.cat(parts).reshape(param.shape)
+        self.call += 1
+        return out
+
+    def step(self, closure) -> ZerothOrderStep:
+        plus, minus, projected = self._draw(closure)
+        with torch.no_grad():
+            for name, param in self.params:
+                for block, z in self._blocks(name, param):
+                    current = block.to(z.dtype)
+                    block.copy_(current - self.lr * (float(projected) * z + self.weight_decay * current))
+        self.call += 1
+        return ZerothOrderStep(plus, minus, projected, True)
+
+    def state_dict(self) -> dict:
+        return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr, "eps": self.eps,
+                "weight_decay": self.weight_decay, "parameters": [n for n, _ in self.params]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("method") != self.method:
+            raise ValueError(f"a {state.get('method')} state cannot be loaded into {self.method}")
+        names = [n for n, _ in self.params]
+        if state["parameters"] != names:
+            raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
+        self.seed = check_seed(state["seed"])
+        self.lr = _check_nonnegative("lr", state["lr"])
+        self.eps = _check_nonnegative("eps", state["eps"], positive=True)
+        self.weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
+        call = state["call"]
+        if isinstance(call, bool) or not isinstance(call, int) or call < 0:
+            raise ValueError(f"call must be a non-negative integer, got {call!r}")
+        self.call = call

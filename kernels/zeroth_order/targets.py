@@ -1,0 +1,185 @@
+"""What zeroth-order fine-tuning perturbs: one ``Target`` per trainable parameter, found
+by module type, and the forward hooks that add a per-example perturbation to a module's
+output without touching its weights.
+
+Supported (the module's own forward, not a subclass that overrides it):
+
+* ``nn.Linear``: weight (matrix: Δ_i = U ⊙ r_i s_iᵀ, output gains r_i ⊙ (U (s_i ⊙ x_i)))
+  and bias (vector: Δ_i = u ⊙ t_i);
+* ``nn.Embedding`` without ``max_norm``: weight (matrix over vocabulary × width; the
+  output of token v in example i gains U[v] ⊙ r_i[v] s_i; the ``padding_idx`` row, which
+  torch never trains, is neither perturbed nor updated);
+* ``nn.LayerNorm`` (weight, bias) and ``nn.RMSNorm`` (weight): vectors; the output
+  gains n(x_i) ⊙ u ⊙ t_i for the weight (n the normalisation without affine) and
+  u ⊙ t_i for the bias.
+
+Each hook adds exactly the first-order change of the output, which for these modules
+is the whole change: the output is affine in each of their parameters, so the hooked
+forward equals the forward with the parameter moved by ±σ Δ_i for example i (up to
+rounding). Example i is index i along dim 0 of the module's input.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .draws import COL, ROW
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_SUPPORTED_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+
+
+@dataclass(eq=False)
+class Target:
+    """One trainable parameter and how it is perturbed.
+
+    ``role``: "linear" or "embedding" (a matrix with row and column signs), "scale"
+    (a norm's weight) or "shift" (a bias); ``rows``, ``cols``: the matrix shape (a vector
+    has cols = 0)."""
+
+    name: str
+    module: nn.Module
+    param: nn.Parameter
+    role: str
+
+    @property
+    def is_matrix(self) -> bool:
+        return self.role in ("linear", "embedding")
+
+    @property
+    def rows(self) -> int:
+        return self.param.shape[0] if self.is_matrix else self.param.numel()
+
+    @property
+    def cols(self) -> int:
+        return self.param.shape[1] if self.is_matrix else 0
+
+    @property
+    def work_dtype(self) -> torch.dtype:
+        """float64 for a float64 parameter, float32 otherwise (bf16 is computed in fp32)."""
+        return torch.float64 if self.param.dtype == torch.float64 else torch.float32
+
+
+def _roles(module: nn.Module) -> dict:
+    if isinstance(module, nn.Linear):
+        return {"weight": "linear", "bias": "shift"}
+    if isinstance(module, nn.Embedding):
+        return {"weight": "embedding"}
+    return {"weight": "scale", "bias": "shift"}
+
+
+def _base_type(module):
+    return next((t for t in _SUPPORTED_MODULES if isinstance(module, t)), None)
+
+
+def find_targets(model: nn.Module, method: str) -> list:
+    """The model's trainable parameters as targets, in ``named_modules`` order; anything
+    this method cannot perturb is refused naming its module."""
+    targets, seen = [], {}
+    for module_name, module in model.named_modules():
+        trainable = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not trainable:
+            continue
+        where = f"module '{module_name or '(root)'}' ({type(module).__name__})"
+        base = _base_type(module)
+        if base is None or type(module).forward is not base.forward:
+            raise TypeError(
+                f"{method} perturbs the parameters of nn.Linear, nn.Embedding, nn.LayerNorm and "
+                f"nn.RMSNorm (their own forward); {where} has trainable parameters "
+                f"{[n for n, _ in trainable]}: freeze them (requires_grad_(False)) to train the rest")
+        if isinstance(module, nn.Embedding) and module.max_norm is not None:
+            raise TypeError(f"{method}: {where} renormalises rows in its forward (max_norm), which "
+                            f"a perturbation added to its output cannot represent")
+        for local, param in trainable:
+            name = f"{module_name}.{local}" if module_name else local
+            if id(param) in seen:
+                raise ValueError(f"{method}: parameter '{name}' is the same tensor as '{seen[id(param)]}' "
+                                 f"(tied weights): each use would be perturbed independently; untie or freeze it")
+            if param.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{method}: parameter '{name}' of {where} is {param.dtype}; "
+                                f"float32, bfloat16 and float64 are supported")
+            seen[id(param)] = name
+            targets.append(Target(name, module, param, _roles(module)[local]))
+    if not targets:
+        raise ValueError(f"{method}: the model has no trainable parameters")
+    return targets
+
+
+def row_blocks(target: Target, block_elements: int):
+    """Row-index tensors covering the target in blocks of about ``block_elements``."""
+    per_block = max(1, block_elements // max(1, target.cols))
+    for start in range(0, target.rows, per_block):
+        yield torch.arange(start, min(start + per_block, target.rows), device=target.param.device)
+
+
+def _per_example(values: torch.Tensor, ndim: int) -> torch.Tensor:
+    """(B, *tail) -> (B, 1, ..., 1, *tail) broadcasting against an ``ndim``-dim activation."""
+    return values.reshape(values.shape[0], *([1] * (ndim - values.dim())), *values.shape[1:])
+
+
+def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elements: int) -> torch.Tensor:
+    """The change of the module's output per unit σ, example by example (work dtype)."""
+    work = target.work_dtype
+    if target.role == "linear":
+        xs = x.to(work) * _per_example(draws.signs(target, COL, batch), x.dim())
+        parts = [xs @ draws.base(target, rows).T for rows in row_blocks(target, block_elements)]
+        change = torch.cat(parts, dim=-1)
+        return change * _per_example(draws.signs(target, ROW, batch), change.dim())
+    if target.role == "embedding":
+        flat = x.reshape(batch, -1)
+        used, inverse = torch.unique(flat, return_inverse=True)
+        rows = draws.signs(target, ROW, batch).gather(1, flat)
+        if target.module.padding_idx is not None:
+            rows = rows * (flat != target.module.padding_idx)  # the padding row is not trained
+        change = draws.base(target, used)[inverse] * rows[..., None] * draws.signs(target, COL, batch)[:, None, :]
+        return change.reshape(*x.shape, target.cols)
+    shape = target.param.shape
+    direction = (draws.base(target, None) * draws.signs(target, ROW, batch)).reshape(batch, *shape)
+    if target.role == "shift":
+        return _per_example(direction, x.dim())
+    module = target.module
+    if isinstance(module, nn.LayerNorm):
+        normalised = F.layer_norm(x.to(work), module.normalized_shape, None, None, module.eps)
+    else:
+        normalised = F.rms_norm(x.to(work), module.normalized_shape, None, module.eps)
+    return normalised * _per_example(direction, x.dim())
+
+
+class Perturbed:
+    """Context: forward hooks on every target's module adding ``sign · scale`` times the
+    targets' output change; records the batch size every hooked call saw."""
+
+    def __init__(self, targets, draws, scale: float, sign: int, block_elements: int):
+        self.by_module = {}
+        for target in targets:
+            self.by_module.setdefault(target.module, []).append(target)
+        self.draws, self.scale, self.sign, self.block_elements = draws, scale, sign, block_elements
+        self.batch = None
+        self.handles = []
+
+    def _hook(self, module, inputs, output):
+        x = inputs[0]
+        targets = self.by_module[module]
+        batch = x.shape[0] if x.dim() else 0
+        if x.dim() == 0 or (self.batch is not None and batch != self.batch):
+            name = targets[0].name.rpartition(".")[0] or "(root)"
+            raise ValueError(f"every perturbed module must see the batch along dim 0: module '{name}' "
+                             f"saw input shape {tuple(x.shape)} after batch {self.batch} (a module "
+                             f"shared by all examples, such as a position embedding called with "
+                             f"arange(T), must be frozen)")
+        self.batch = batch
+        work = targets[0].work_dtype
+        change = sum(output_change(t, self.draws, x, batch, self.block_elements) for t in targets)
+        return (output.to(work) + (self.sign * self.scale) * change).to(output.dtype)
+
+    def __enter__(self):
+        self.handles = [m.register_forward_hook(self._hook) for m in self.by_module]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return False

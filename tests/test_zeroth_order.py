@@ -1,0 +1,430 @@
+"""GRZO and MeZO (forge_kernels.zeroth_order): the counter-based draws against the numpy
+Philox reference, the hooks against explicitly perturbed parameters, estimate/step/
+state_dict, determinism, and every refusal (nothing written)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import forge_kernels as fk
+from forge_kernels.zeroth_order.draws import (BASE, COL, ROW, CallDraws, base_rows, example_signs,
+                                              philox4x32, standard_normal, stream_key)
+from forge_kernels.zeroth_order.targets import Perturbed
+from forge_verify.checks.zeroth_order import flatten, quadratic_problem
+from forge_verify.numerics.bits import assert_bitwise_equal
+from forge_verify.numerics.philox import philox_words
+from forge_verify.numerics.tolerances import gamma
+
+
+# --- draws ----------------------------------------------------------------------------
+
+@pytest.mark.exactness
+@given(key=st.integers(0, 2**63 - 1), counters=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
+def test_philox_matches_the_numpy_reference_bit_for_bit(key, counters):
+    words = philox4x32(key, torch.tensor(counters, dtype=torch.int64))
+    expected = philox_words(key, np.array(counters, dtype=np.uint64).astype(np.uint32))
+    for got, want in zip(words, expected):
+        assert np.array_equal(got.numpy().astype(np.uint32), want)
+
+
+@pytest.mark.exactness
+def test_normal_matches_a_numpy_box_muller_on_the_reference_words():
+    """torch's and numpy's float64 log/cos, both rounded to fp32, give the same bits here
+    (4,096 draws): the draws do not depend on the library's last float64 bit."""
+    key = stream_key(7, 3, "layer.weight", BASE)
+    counter = np.arange(4096, dtype=np.uint32)
+    w0, w1, _, _ = philox_words(key, counter)
+    u1 = (w0.astype(np.float64) + 0.5) * 2.0**-32
+    u2 = w1.astype(np.float64) * 2.0**-32
+    expected = (np.sqrt(-2.0 * np.log(u1)) * np.cos(2 * np.pi * u2)).astype(np.float32)
+    got = standard_normal(key, torch.from_numpy(counter.astype(np.int64)), torch.float32)
+    assert_bitwise_equal(got, torch.from_numpy(expected), "standard_normal")
+
+
+def test_streams_differ_by_seed_call_name_and_kind():
+    keys = {stream_key(s, c, n, k) for s in (0, 1) for c in (0, 1) for n in ("a", "b") for k in (BASE, ROW, COL)}
+    assert len(keys) == 24 and all(0 <= k < 2**63 for k in keys)
+
+
+@pytest.mark.exactness
+def test_a_shard_draws_the_slice_of_the_whole():
+    """Rows [3, 7) × columns [5, 11) of a 10 × 16 base, and signs [4, 9) of 12, drawn at
+    their global offsets, are the slice of the whole's draws (tensor-parallel shards)."""
+    key = stream_key(1, 2, "w", BASE)
+    whole = base_rows(key, torch.arange(10), 16, torch.float32)
+    shard = base_rows(key, torch.arange(4), 6, torch.float32, row_offset=3, col_offset=5, full_cols=16)
+    assert_bitwise_equal(shard, whole[3:7, 5:11], "base shard")
+    signs_key = stream_key(1, 2, "w", ROW)
+    signs = example_signs(signs_key, 3, 12, torch.float32, "cpu")
+    part = example_signs(signs_key, 3, 5, torch.float32, "cpu", offset=4, full_size=12)
+    assert_bitwise_equal(part, signs[:, 4:9], "sign shard")
+
+
+def test_a_stream_refuses_more_than_two_to_the_32_counters():
+    with pytest.raises(ValueError, match="2\\*\\*32 counters"):
+        standard_normal(1, torch.tensor([2**32]), torch.float32)
+
+
+# --- the hooks are the perturbed parameters -------------------------------------------
+
+class _Small(nn.Module):
+    """Every supported parameter: an embedding, LayerNorm (weight, bias), Linear (weight,
+    bias), RMSNorm (weight)."""
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        self.tok = nn.Embedding(11, 6)
+        self.norm = nn.LayerNorm(6)
+        self.proj = nn.Linear(6, 5)
+        self.rms = nn.RMSNorm(5, eps=1e-6)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        self.to(dtype)
+
+    def forward(self, idx):
+        return self.rms(self.proj(self.norm(self.tok(idx)))).sum(1)
+
+
+def _tokens(batch=4, length=3):
+    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _explicit_direction(target, draws, example, batch):
+    u = draws.base(target, torch.arange(target.rows) if target.is_matrix else None)
+    r = draws.signs(target, ROW, batch)[example]
+    if target.is_matrix:
+        return u * r[:, None] * draws.signs(target, COL, batch)[example][None, :]
+    return (u * r).reshape(target.param.shape)
+
+
+def test_hooked_forward_is_each_example_with_its_own_perturbed_parameters():
+    """float64: example i's output under the hooks equals the plain forward of example i
+    with every parameter moved by σ Δ_i (rounding only: within 1e-12 relative)."""
+    model, idx, sigma = _Small(), _tokens(), 0.05
+    opt = fk.GRZO(model, lr=0.1, normalize="none")
+    draws = CallDraws(opt.seed, opt.call)
+    with torch.no_grad(), Perturbed(opt.targets, draws, sigma, 1, 2**20):
+        hooked = model(idx)
+    for i in range(idx.shape[0]):
+        params = {t.name: t.param + sigma * _explicit_direction(t, draws, i, idx.shape[0]) for t in opt.targets}
+        with torch.no_grad():
+            plain = torch.func.functional_call(model, params, (idx[i:i + 1],))
+        torch.testing.assert_close(hooked[i:i + 1], plain, rtol=1e-12, atol=1e-12)
+
+
+# --- estimate and step ----------------------------------------------------------------
+
+def _closure(model, idx):
+    return lambda: (model(idx) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("normalize", ["none", "std"])
+def test_estimate_is_the_mean_of_coefficients_times_directions(normalize):
+    model, idx = _Small(), _tokens()
+    opt = fk.GRZO(model, lr=0.1, sigma=1e-3, normalize=normalize)
+    draws = CallDraws(opt.seed, opt.call)
+    plus_minus = []
+    for sign in (1, -1):
+        with torch.no_grad(), Perturbed(opt.targets, draws, opt.sigma, sign, 2**20):
+            plus_minus.append((model(idx) ** 2).sum(-1))
+    delta = (plus_minus[0] - plus_minus[1]) / (2 * opt.sigma)
+    c = delta if normalize == "none" else delta / (delta.std(correction=1) + opt.eps)
+    estimate = opt.estimate(_closure(model, idx))
+    batch = idx.shape[0]
+    for t in opt.targets:
+        expected = sum(c[i] * _explicit_direction(t, draws, i, batch) for i in range(batch)) / batch
+        torch.testing.assert_close(estimate[t.name], expected.reshape(t.param.shape), rtol=1e-12, atol=1e-12)
+    assert opt.call == 1
+
+
+def test_step_applies_lr_times_estimate_plus_weight_decay_bit_for_bit():
+    model, idx = _Small(torch.float32), _tokens()
+    twin = _Small(torch.float32)
+    kw = dict(lr=0.01, sigma=1e-2, weight_decay=0.1, seed=5)
+    estimate = fk.GRZO(twin, **kw).estimate(_closure(twin, idx))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = fk.GRZO(model, **kw).step(_closure(model, idx))
+    assert result.stepped
+    for n, p in model.named_parameters():
+        expected = before[n] - 0.01 * (estimate[n] + 0.1 * before[n])
+        assert_bitwise_equal(p.detach(), expected, n)
+
+
+def test_same_seed_same_draws_and_each_call_advances():
+    idx = _tokens()
+    runs = []
+    for _ in range(2):
+        model = _Small(torch.float32)
+        opt = fk.GRZO(model, lr=0.1, seed=3)
+        runs.append([opt.estimate(_closure(model, idx)) for _ in range(2)])
+    for a, b in zip(runs[0], runs[1]):
+        for n in a:
+            assert_bitwise_equal(a[n], b[n], n)
+    assert not torch.equal(runs[0][0]["proj.weight"], runs[0][1]["proj.weight"])
+    other = _Small(torch.float32)
+    assert not torch.equal(fk.GRZO(other, lr=0.1, seed=4).estimate(_closure(other, idx))["proj.weight"],
+                           runs[0][0]["proj.weight"])
+
+
+def test_row_blocks_do_not_change_the_result():
+    """U regenerated one row at a time (block_elements=1) gives the default's estimate and
+    step (float64; the products are formed per block, rounding alike within 1e-13)."""
+    idx = _tokens()
+    results = []
+    for block in (1, 2**20):
+        model = _Small()
+        opt = fk.GRZO(model, lr=0.1, normalize="none", block_elements=block)
+        estimate = opt.estimate(_closure(model, idx))
+        opt.step(_closure(model, idx))
+        results.append((estimate, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    for a, b in zip(results[0], results[1]):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-13, atol=1e-13)
+
+
+def test_the_padding_row_is_neither_perturbed_nor_updated():
+    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 3))
+    idx = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 6]])
+    opt = fk.GRZO(model, lr=0.1, normalize="none")
+    with torch.no_grad(), Perturbed(opt.targets, CallDraws(opt.seed, opt.call), 1.0, 1, 2**20):
+        hooked = model[0](idx)
+    assert_bitwise_equal(hooked[idx == 0], model[0].weight[0].detach().expand(3, 4), "padding outputs")
+    before = model[0].weight.detach().clone()
+    assert not opt.estimate(lambda: (model(idx) ** 2).sum((1, 2)))["0.weight"][0].any()
+    opt.step(lambda: (model(idx) ** 2).sum((1, 2)))
+    assert_bitwise_equal(model[0].weight[0].detach(), before[0], "padding row")
+    assert not torch.equal(model[0].weight[1:], before[1:])
+
+
+def test_estimate_writes_nothing():
+    model, idx = _Small(torch.float32), _tokens()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fk.GRZO(model, lr=0.1).estimate(_closure(model, idx))
+    for n, p in model.named_parameters():
+        assert_bitwise_equal(p.detach(), before[n], n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_every_supported_dtype_steps(dtype):
+    """σ = 0.05: in bf16 the hooked output is rounded to bf16, and σ = 1e-3 here moves
+    these outputs (magnitude ~2, bf16 ulp 2**-6) by less than half an ulp, so every δ_i
+    would be 0; lr = 0.1: bf16 weights are stored round-to-nearest, so a step below half
+    an ulp is lost (README, "Zeroth-order fine-tuning", what is not done)."""
+    model, idx = _Small(dtype), _tokens()
+    opt = fk.GRZO(model, lr=0.1, sigma=0.05)
+    estimate = opt.estimate(_closure(model, idx))
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    assert all(v.dtype == work and torch.isfinite(v).all() for v in estimate.values())
+    before = model.proj.weight.detach().clone()
+    assert opt.step(_closure(model, idx)).stepped
+    assert model.proj.weight.dtype == dtype and not torch.equal(model.proj.weight, before)
+
+
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_state_dict_resumes_bit_for_bit(method):
+    idx = _tokens()
+    make = (lambda m: fk.GRZO(m, lr=1e-2, seed=9)) if method == "GRZO" else (lambda m: fk.MeZO(m, lr=1e-2, seed=9))
+    closure = _closure if method == "GRZO" else (lambda m, i: (lambda: (m(i) ** 2).sum(-1).mean()))
+    model = _Small(torch.float32)
+    opt = make(model)
+    for _ in range(2):
+        opt.step(closure(model, idx))
+    saved_state, saved_weights = opt.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        opt.step(closure(model, idx))
+    resumed = _Small(torch.float32)
+    resumed.load_state_dict(saved_weights)
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved_state)
+    for _ in range(2):
+        opt2.step(closure(resumed, idx))
+    for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert_bitwise_equal(q.detach(), p.detach(), n)
+
+
+def test_load_state_dict_refuses_another_model_or_method():
+    opt = fk.GRZO(_Small(), lr=0.1)
+    with pytest.raises(ValueError, match="cannot be loaded into GRZO"):
+        opt.load_state_dict(fk.MeZO(_Small(), lr=0.1).state_dict())
+    with pytest.raises(ValueError, match="saved for parameters"):
+        opt.load_state_dict(fk.GRZO(nn.Linear(2, 2).double(), lr=0.1).state_dict())
+
+
+# --- bad input: nothing written -------------------------------------------------------
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(model, before):
+    for n, p in model.named_parameters():
+        assert_bitwise_equal(p.detach(), before[n], n)
+
+
+def test_one_example_under_std_is_refused():
+    model = _Small()
+    opt, before = fk.GRZO(model, lr=0.1), _snapshot(model)
+    with pytest.raises(ValueError, match="at least 2 examples"):
+        opt.step(_closure(model, _tokens(batch=1)))
+    _unchanged(model, before)
+    assert opt.call == 0
+    fk.GRZO(model, lr=0.1, normalize="none").step(_closure(model, _tokens(batch=1)))  # fine without std
+
+
+def test_all_equal_differences_take_no_step_and_say_so():
+    """Losses the perturbation does not move give δ_i = 0 for every example: std 0 (the
+    GRZO code would divide by its 1e-8)."""
+    model, idx = _Small(), _tokens()
+    opt, before = fk.GRZO(model, lr=0.1), _snapshot(model)
+    constant = lambda: (model(idx) * 0).sum(-1) + 1.0  # noqa: E731
+    with pytest.warns(fk.NoStepWarning, match="all 4 differences"):
+        result = opt.step(constant)
+    assert not result.stepped and result.coefficients is None
+    _unchanged(model, before)
+    assert opt.call == 1
+    with pytest.warns(fk.NoStepWarning):
+        assert all(not v.any() for v in opt.estimate(constant).values())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_non_finite_loss_takes_no_step_and_raises(bad, method):
+    model, idx = _Small(torch.float32), _tokens()
+    before = _snapshot(model)
+    if method == "GRZO":
+        opt = fk.GRZO(model, lr=0.1)
+        closure = lambda: (model(idx) ** 2).sum(-1) * torch.tensor([1.0, bad, 1.0, 1.0])  # noqa: E731
+    else:
+        opt = fk.MeZO(model, lr=0.1)
+        closure = lambda: (model(idx) ** 2).mean() * bad  # noqa: E731
+    with pytest.raises(fk.NonFiniteLossError, match="no step was taken"):
+        opt.step(closure)
+    assert opt.call == 0
+    if method == "GRZO":
+        _unchanged(model, before)  # MeZO's restore may drift: properties/test_zeroth_order_mezo.py
+
+
+def test_a_closure_of_the_wrong_shape_is_refused():
+    model, idx = _Small(), _tokens()
+    with pytest.raises(TypeError, match="1-D floating tensor"):
+        fk.GRZO(model, lr=0.1).step(lambda: (model(idx) ** 2).sum())
+    with pytest.raises(ValueError, match="returned 3 losses but the perturbed modules saw batch 4"):
+        fk.GRZO(model, lr=0.1).step(lambda: (model(idx) ** 2).sum(-1)[:3])
+    with pytest.raises(TypeError, match="scalar"):
+        fk.MeZO(model, lr=0.1).step(lambda: (model(idx) ** 2).sum(-1))
+
+
+def test_unsupported_modules_are_refused_by_name_unless_frozen():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Conv1d(4, 4, 1))
+    with pytest.raises(TypeError, match=r"module '1' \(Conv1d\) has trainable parameters \['weight', 'bias'\]"):
+        fk.GRZO(model, lr=0.1)
+    model[1].requires_grad_(False)
+    assert [t.name for t in fk.GRZO(model, lr=0.1).targets] == ["0.weight", "0.bias"]
+
+
+def test_a_module_not_batched_along_dim_0_is_refused_by_name():
+    """The tiny GPT's position embedding is called with arange(T): shared by every
+    example, not batched. Refused (T != B) naming it; frozen, the rest trains."""
+    from forge_verify.models.tiny_gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1))
+    idx = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    closure = lambda: torch.nn.functional.cross_entropy(  # noqa: E731
+        model(idx).transpose(1, 2), idx, reduction="none").mean(1)
+    with pytest.raises(ValueError, match="module 'pos' saw input shape \\(8,\\) after batch 2"):
+        fk.GRZO(model, lr=1e-3).step(closure)
+    model.pos.requires_grad_(False)
+    assert fk.GRZO(model, lr=1e-3).step(closure).stepped
+
+
+def test_tied_weights_and_other_dtypes_are_refused():
+    tied = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="tied weights"):
+        fk.GRZO(tied, lr=0.1)
+    with pytest.raises(TypeError, match="torch.float16"):
+        fk.GRZO(nn.Linear(2, 2).half(), lr=0.1)
+    with pytest.raises(TypeError, match="max_norm"):
+        fk.GRZO(nn.Embedding(4, 2, max_norm=1.0), lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1.0), "lr must be"), (dict(lr=float("nan")), "lr must be"), (dict(sigma=0.0), "sigma must be"),
+    (dict(normalize="mean"), "normalize must be"), (dict(eps=-1.0), "eps must be"),
+    (dict(weight_decay=-0.1), "weight_decay must be"), (dict(seed=-1), "seed must be"),
+    (dict(block_elements=0), "block_elements"),
+])
+def test_bad_hyperparameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fk.GRZO(nn.Linear(2, 2), **{"lr": 0.1, **kwargs})
+
+
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_step_allocates_nothing_weight_sized(method):
+    """A 256 × 256 fp32 Linear (256 KiB) with block_elements = 2,048: the largest single
+    allocation of a step (both forwards, the update) is one block's int64 Philox words,
+    16 KiB, a sixteenth of the weight (torch's CPU profiler; peak memory is not measured)."""
+    from torch.profiler import ProfilerActivity, profile
+    model = nn.Linear(256, 256)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    if method == "GRZO":
+        opt = fk.GRZO(model, lr=1e-3, block_elements=2048)
+        closure = lambda: (model(x) ** 2).sum(-1)  # noqa: E731
+    else:
+        opt = fk.MeZO(model, lr=1e-3, block_elements=2048)
+        closure = lambda: (model(x) ** 2).mean()  # noqa: E731
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step(closure)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= 8 * 2048 < model.weight.numel() * 4 // 8
+
+
+def test_grzo_and_mezo_are_not_element_wise_rules():
+    assert not issubclass(fk.GRZO, fk.Rule) and not issubclass(fk.MeZO, fk.Rule)
+
+
+# --- MeZO -----------------------------------------------------------------------------
+
+def test_mezo_estimate_is_the_projected_difference_times_z():
+    problem = quadratic_problem(3, 4, 5, identical=False)
+    opt = fk.MeZO(problem.model, lr=0.1, eps=1e-3, seed=2)
+    names = [n for n, _ in problem.model.named_parameters()]
+    losses = []
+    def closure():
+        losses.append(problem.losses().mean())
+        return losses[-1]
+    estimate = flatten(opt.estimate(closure), names)
+    z = torch.cat([standard_normal(stream_key(2, 0, n, BASE), torch.arange(p.numel()), torch.float64)
+                   for n, p in problem.model.named_parameters()])
+    torch.testing.assert_close(estimate, (losses[0] - losses[1]) / 2e-3 * z, rtol=1e-12, atol=0)
+    # the quadratic's central difference is ⟨ḡ, z⟩ up to float64 rounding of the losses
+    mean_grad = problem.per_example_gradients().mean(0)
+    bound = 4 * gamma(64, 2.0**-53) * float(max(losses).abs()) / 2e-3
+    assert abs(float((losses[0] - losses[1]) / 2e-3 - z @ mean_grad)) <= bound
+
+
+@pytest.mark.parametrize("method", ["GRZO-std", "GRZO-none", "MeZO"])
+def test_training_lowers_a_quadratic_loss(method):
+    """300 steps on a float64 least-squares problem (8 examples, d = 15) more than halve
+    the mean loss: a smoke test of the whole loop with fixed seeds, not a statistical claim."""
+    problem = quadratic_problem(3, 4, 8, identical=False, seed=0)
+    with torch.no_grad():
+        problem.targets.copy_(problem.model(problem.inputs) + 0.1 * problem.targets)  # start near a fit
+        problem.model.weight.add_(0.5)
+    with torch.no_grad():
+        start = float(problem.losses().mean())
+    if method == "MeZO":
+        opt = fk.MeZO(problem.model, lr=0.02, eps=1e-3, seed=1)
+        closure = lambda: problem.losses().mean()  # noqa: E731
+    else:
+        normalize = method.split("-")[1]
+        opt = fk.GRZO(problem.model, lr=0.02 if normalize == "none" else 0.01, normalize=normalize, seed=1)
+        closure = problem.closure()
+    for _ in range(300):
+        opt.step(closure)
+    with torch.no_grad():
+        assert float(problem.losses().mean()) < 0.5 * start
