@@ -1,5 +1,8 @@
 """A numpy reference of Philox4x32-10 as Triton's ``tl.randint4x(seed, counter)`` computes
-it, and of stochastic rounding fp32 -> bf16 on top of it, for bit-exact checks."""
+it, of stochastic rounding fp32 -> bf16 on top of it, and of the zeroth-order base's
+normal draws, for bit-exact checks."""
+
+import math
 
 import numpy as np
 import torch
@@ -58,3 +61,57 @@ def stochastic_round_reference(x: torch.Tensor, seed: int, offset: int = 0, word
     rounded = np.where(is_nan, quiet_nan, rounded)
     halves = (rounded >> np.uint32(16)).astype(np.uint16)
     return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16).reshape(x.shape)
+
+
+def standard_normal_reference(key: int, counter: np.ndarray) -> np.ndarray:
+    """The zeroth-order base's N(0, 1) draws, float64, straight in numpy: Box–Muller on
+    Philox words 0 and 1, u1 = (w0 + 1/2) / 2**32, u2 = w1 / 2**32, with ln u1 and
+    cos(2π u2) (and the square root) written out in the basic operations the library uses
+    (``forge_kernels.zeroth_order.portable_math``), so the bits must agree exactly."""
+    w0, w1, _, _ = philox_words(key, counter)
+    u1 = (w0.astype(np.float64) + 0.5) * 2.0**-32
+    u2 = w1.astype(np.float64) * 2.0**-32
+    return _sqrt(-2.0 * _log(u1)) * _cos_two_pi(u2)
+
+
+def _series(z, coefficients):
+    acc = np.float64(coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        acc = c + z * acc
+    return acc
+
+
+def _sqrt(x):
+    m, e = np.frexp(x)
+    odd = e % 2 == 1
+    m = np.where(odd, m * 2.0, m)
+    e = e - odd
+    y = (1.0 + m) * 0.5
+    for _ in range(5):
+        y = (y + m / y) * 0.5
+    return np.ldexp(y, e // 2)
+
+
+def _log(u):
+    m, e = np.frexp(u)
+    low = m < 0.70710678118654752440
+    m = np.where(low, m * 2.0, m)
+    e = (e - low).astype(np.float64)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    tail = [1.0 / (2 * k + 1) for k in range(1, 13)]
+    log_m = 2.0 * s + (2.0 * s) * (z * _series(z, tail))
+    return e * 6.93147180369123816490e-01 + (log_m + e * 1.90821492927058770002e-10)
+
+
+def _cos_two_pi(u):
+    v = u * 4.0
+    k = np.floor(v)
+    r = v - k
+    near = r <= 0.5
+    y = np.where(near, r, 1.0 - r) * (np.pi / 2)
+    z = y * y
+    sin_y = y + y * (z * _series(z, [(-1) ** k / math.factorial(2 * k + 1) for k in range(1, 10)]))
+    cos_y = 1.0 + z * _series(z, [(-1) ** k / math.factorial(2 * k) for k in range(1, 10)])
+    value = np.where((np.remainder(k, 2.0) == 0) == near, cos_y, sin_y)
+    return np.where((k == 1.0) | (k == 2.0), -value, value)

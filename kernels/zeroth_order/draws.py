@@ -15,19 +15,18 @@ Kinds: ``BASE`` the standard normal base U (counter: row-major flat index), ``RO
 
 Philox is computed on int64 tensors holding uint32 values; 32×32-bit products are split
 into 32×16-bit halves so that nothing overflows int64. The normal is Box–Muller in
-float64 on two 32-bit words, then rounded to the working dtype: sign bits are the same
-on every machine; a normal is the same wherever float64 ``log``/``cos`` agree to within
-the rounding to the working dtype (two libraries differing by one float64 ulp change an
-fp32 value with probability about 2**-29; the tests compare torch with numpy).
+float64 on two 32-bit words, with ``sqrt``, ``log`` and ``cos`` evaluated from basic
+operations alone (``portable_math``), then rounded to the working dtype: every draw, signs and
+normals, is the same on every machine and device.
 """
 
 import functools
 import hashlib
-import math
 
 import torch
 
 from ..ops.stochastic_round import MAX_COUNTER, _splitmix64, check_seed
+from . import portable_math
 
 BASE, ROW, COL = 0, 1, 2
 _M32 = 0xFFFFFFFF
@@ -92,7 +91,7 @@ def standard_normal(key: int, counter: torch.Tensor, dtype: torch.dtype) -> torc
     w0, w1, _, _ = philox4x32(key, counter)
     u1 = (w0.to(torch.float64) + 0.5) * 2.0**-32
     u2 = w1.to(torch.float64) * 2.0**-32
-    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)).to(dtype)
+    return (portable_math.sqrt(-2.0 * portable_math.log(u1)) * portable_math.cos_two_pi(u2)).to(dtype)
 
 
 def rademacher(key: int, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
