@@ -2,12 +2,14 @@
 exposed as ``forge_kernels.gift``.
 
 Wire formats, one file each: ``e4m3`` and ``e5m2`` (per-tensor FP8, current scaling)
-and ``nvfp4`` (Transformer Engine's recipe).
+and ``nvfp4`` (Transformer Engine's recipe). The transform: ``whitening.Whitening``
+(from a layer's input covariance) and ``whitening.CovarianceTracker`` (forward hooks).
 """
 
 import torch
 
 from . import e4m3, e5m2, nvfp4
+from .whitening import CovarianceTracker, Whitening
 
 #: wire formats by name
 FORMATS = {"e4m3": e4m3, "e5m2": e5m2, "nvfp4": nvfp4}
@@ -25,4 +27,4 @@ def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return format_module(fmt).round_trip(x)
 
 
-__all__ = ["e4m3", "e5m2", "nvfp4", "FORMATS", "format_module", "round_trip"]
+__all__ = ["e4m3", "e5m2", "nvfp4", "FORMATS", "format_module", "round_trip", "Whitening", "CovarianceTracker"]
