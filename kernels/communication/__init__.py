@@ -4,11 +4,13 @@ exposed as ``forge_kernels.gift``.
 Wire formats, one file each: ``e4m3`` and ``e5m2`` (per-tensor FP8, current scaling)
 and ``nvfp4`` (Transformer Engine's recipe). The transform: ``whitening.Whitening``
 (from a layer's input covariance) and ``whitening.CovarianceTracker`` (forward hooks).
+The DDP communication hook: ``hook.GiftState`` and ``hook.gift_hook``.
 """
 
 import torch
 
 from . import e4m3, e5m2, nvfp4
+from .hook import GiftState, gift_hook
 from .whitening import CovarianceTracker, Whitening
 
 #: wire formats by name
@@ -27,4 +29,5 @@ def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return format_module(fmt).round_trip(x)
 
 
-__all__ = ["e4m3", "e5m2", "nvfp4", "FORMATS", "format_module", "round_trip", "Whitening", "CovarianceTracker"]
+__all__ = ["e4m3", "e5m2", "nvfp4", "FORMATS", "format_module", "round_trip", "Whitening", "CovarianceTracker",
+           "GiftState", "gift_hook"]

@@ -46,14 +46,20 @@ class PerTensorFP8:
         self.refuse_non_finite(x)
         return x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)
 
-    def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
-        """``format_max / amax`` in fp32; 1 for amax 0 (an all-zero tensor encodes to zeros)."""
+    def scale_for(self, amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
+        """``format_max / amax`` in fp32; 1 for amax 0 (an all-zero tensor encodes to zeros).
+        ``power_of_two``: rounded down to a power of two, so that decoding divides exactly
+        (the largest value may then use only half the range)."""
         amax = torch.as_tensor(amax, dtype=torch.float32)
         if not bool(torch.isfinite(amax)) or float(amax) < 0:
             raise NonFiniteInputError(f"{self.name}: amax {float(amax)} is not a finite magnitude")
         if float(amax) == 0.0:
             return torch.ones((), dtype=torch.float32, device=amax.device)
-        return torch.tensor(self.max, dtype=torch.float32, device=amax.device) / amax
+        scale = torch.tensor(self.max, dtype=torch.float32, device=amax.device) / amax
+        if power_of_two:
+            _, exponent = torch.frexp(scale)  # scale = m · 2**exponent, m in [0.5, 1)
+            scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=amax.device), exponent - 1)
+        return scale
 
     def encode(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """uint8 codes of ``x`` under ``scale`` (shared scales: the caller agreed it)."""

@@ -106,7 +106,7 @@ class Whitening:
         h = hashlib.sha256()
         for t in self.tensors():
             h.update(str(tuple(t.shape)).encode())
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def broadcast(self, src: int = 0, group=None) -> "Whitening":
