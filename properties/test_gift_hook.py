@@ -31,6 +31,21 @@ def test_e4m3_exchange_with_the_agreed_scale_equals_all_reduce(world, route, ran
         assert_bitwise_equal(out, expected, f"rank {rank}")
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+@pytest.mark.parametrize("route, shape", [("plain", (5, 48)), ("plain", (37,)), ("gift", (3, 64))])
+def test_exchange_averages_what_every_rank_sent(world, fmt, route, shape, rank_pool):
+    """Every rank's result is the mean of all ranks' locally decoded values (the ranks'
+    amaxes differ by 2**3 per rank; the scale is agreed), up to the fp32 rounding of
+    summing them: |out − mean| ≤ world · 2**-24 · mean |sent| per element."""
+    for rank, (outs, everyone) in enumerate(rank_pool(world).run(gift_jobs.exchange_versus_local_decodes, 9, fmt,
+                                                                  route, shape)):
+        for out, sent in zip(outs, everyone):
+            stacked = torch.stack(sent).double()
+            error = (out.double() - stacked.mean(dim=0)).abs()
+            assert bool((error <= world * 2.0 ** -24 * stacked.abs().mean(dim=0)).all()), (rank, float(error.max()))
+
+
 @pytest.mark.parametrize("world, fmt", [(2, "e4m3"), (2, "nvfp4"), (4, "e5m2")])
 def test_factors_and_parameters_identical_on_every_rank(world, fmt, rank_pool):
     results = rank_pool(world).run(gift_jobs.gift_training_digests, 11, fmt, 7, 3)

@@ -69,6 +69,22 @@ def e4m3_exchange_versus_all_reduce(seed: int, route: str):
     return out, expected / world
 
 
+def exchange_versus_local_decodes(seed: int, fmt: str, route: str, shape: tuple):
+    """The hook's exchange of rank-specific data (amaxes differing across ranks): its
+    result and, from every rank, what that rank decoded locally (``last_sent``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(shape, generator=g) * 2.0 ** (3 * rank) * torch.logspace(-3, 0, shape[-1], base=2.0)
+    state = fk.gift.GiftState(None, fmt, layers=(), error_feedback=False)
+    whitening = fk.gift.Whitening.identity(shape[-1]) if route == "gift" else None
+    out = state.exchange([("g", x, whitening), ("h", x[..., :1].clone(), None)])
+    sent = [state.last_sent["g"], state.last_sent["h"]]
+    everyone = [[torch.empty_like(t) for _ in range(world)] for t in sent]
+    for gathered, t in zip(everyone, sent):
+        dist.all_gather(gathered, t)
+    return out, everyone
+
+
 def _digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -121,3 +137,41 @@ def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
         given += G.double()
         sigmas.append(float(whitening.sigma))
     return sent + state.whitenings[0].invert(state.residuals[key]).double(), given, sigmas
+
+
+def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedback: bool = True,
+                    batch: int = 8, lr: float = 3e-3, refresh_every: int = 50, rank: int = 32):
+    """DDP training of the tiny GPT (``forge_verify.models.tiny_gpt``) on the shipped tales,
+    each rank its own batches, AdamW. ``fmt`` "fp32-allreduce" is DDP's own averaging;
+    otherwise every gradient crosses as ``fmt`` through ``gift_hook``, the MLP output
+    layers (fc2) whitened when ``selection`` is "fc2", none when "none". The training
+    losses, rank 0's view (DDP keeps the ranks' parameters equal)."""
+    from ..models import corpus
+    from ..models.tiny_gpt import GPT, GPTConfig
+
+    text = corpus.load()
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.int64)
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=len(vocab))
+    model = GPT(config)
+    ddp = DistributedDataParallel(model)
+    if fmt != "fp32-allreduce":
+        layers = [block.out for block in model.blocks] if selection == "fc2" else []
+        state = fk.gift.GiftState(None, fmt, rank, refresh_every, layers=layers, error_feedback=error_feedback)
+        ddp.register_comm_hook(state, fk.gift.gift_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - config.block_size - 1, (batch,), generator=g)
+        x = torch.stack([ids[s:s + config.block_size] for s in starts])
+        y = torch.stack([ids[s + 1:s + config.block_size + 1] for s in starts])
+        optimizer.zero_grad(set_to_none=True)
+        logits = ddp(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

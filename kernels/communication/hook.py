@@ -83,7 +83,7 @@ class _NVFP4Codec:
     def values(self, payload, numel):
         blocks = -(-numel // nvfp4.BLOCK)
         codes = payload[:blocks * nvfp4.BLOCK // 2].reshape(blocks, nvfp4.BLOCK // 2)
-        scales = payload[blocks * nvfp4.BLOCK // 2:].reshape(blocks)
+        scales = payload[blocks * nvfp4.BLOCK // 2:].reshape(blocks, 1)
         products = nvfp4.block_products(nvfp4.QuantizedNVFP4(codes, scales, torch.zeros(())))
         return products.reshape(-1)[:numel]
 
