@@ -202,6 +202,8 @@ class GiftState:
     def exchange(self, entries):
         """The low-precision path for ``entries`` = [(key, tensor, Whitening or None)]:
         the averaged tensors, transformed back. Residuals are kept under ``key``."""
+        if not entries:
+            return []  # every rank holds the same buckets, so every rank skips alike
         codec = CODECS[self.fmt, self.scaling]
         world = self.world_size
         sent_coordinates = []
@@ -210,7 +212,7 @@ class GiftState:
             if self.error_feedback and key in self.residuals:
                 y = y + self.residuals[key]
             sent_coordinates.append(y)
-        amax = torch.stack([codec.amax(y) for y in sent_coordinates]) if entries else torch.zeros(0)
+        amax = torch.stack([codec.amax(y) for y in sent_coordinates])
         if self.fmt != "fp32":
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.process_group)
         payloads, contexts = [], []
@@ -221,7 +223,7 @@ class GiftState:
             self.last_sent[key] = local
             payloads.append(payload)
             contexts.append(context)
-        mine = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8)
+        mine = torch.cat(payloads)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=self.process_group)
         out, offset = [], 0
