@@ -12,7 +12,8 @@ from ._fp8 import PerTensorFP8, QuantizedFP8
 
 FORMAT = PerTensorFP8("e5m2", torch.float8_e5m2, 57344.0)
 MAX = FORMAT.max
-tensor_amax, scale_for, encode, decode, values = FORMAT.tensor_amax, FORMAT.scale_for, FORMAT.encode, FORMAT.decode, FORMAT.values
+tensor_amax, scale_for, values = FORMAT.tensor_amax, FORMAT.scale_for, FORMAT.values
+encode, decode = FORMAT.encode, FORMAT.decode
 quantize, dequantize, round_trip = FORMAT.quantize, FORMAT.dequantize, FORMAT.round_trip
 
 __all__ = ["FORMAT", "MAX", "QuantizedFP8", "tensor_amax", "scale_for", "encode", "decode", "values",
