@@ -166,7 +166,7 @@ class GiftState:
         return dist.get_world_size(self.process_group)
 
     def _source_rank(self) -> int:
-        group = self.process_group or dist.group.WORLD
+        group = dist.group.WORLD if self.process_group is None else self.process_group
         return dist.get_process_group_ranks(group)[0]
 
     def refresh(self, index: int) -> None:
