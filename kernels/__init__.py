@@ -6,6 +6,7 @@ when no GPU is present (decided once, in ``_backend``, before any kernel is defi
 
 from . import _backend  # noqa: F401  (must run before any @triton.jit below)
 from . import q8
+from . import communication as gift
 from ._backend import interpreting, kernel_device
 from .config import PINNED, TileConfig
 from .errors import NoStepWarning, NonFiniteInputError, NonFiniteLossError, NonFiniteUpdateError
@@ -25,6 +26,6 @@ __all__ = [
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round", "StepScalars",
     "ForgeLinear", "ForgeLinearFunction", "fuse", "check_updates", "Trainer", "fused_layers", "unfused_parameters",
     "WeightSlice", "UpdateReport",
-    "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",
+    "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8", "gift",
     "GRZO", "MeZO", "ZerothOrderStep", "NonFiniteLossError", "NoStepWarning",
 ]

@@ -99,3 +99,24 @@ def test_readme_counts_match_the_code():
     assert f"runs {len(canonical_cases())} canonical cases" in text
     assert f"each of the {words[len(REGIMES)]} storage regimes" in text
     assert f"{len(RULES) * len(REGIMES)} cells" in text
+
+
+def _run_gift_example(source):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from forge_verify.models.tiny_gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    names = {"grad": torch.randn(8, 128), "A": torch.eye(128) + torch.ones(128, 128) / 128,
+             "process_group": None, "model": model, "ddp": DistributedDataParallel(model)}
+    exec(compile(source, "README.md", "exec"), names)
+    idx = torch.randint(0, 96, (2, 8))
+    model.zero_grad()
+    names["ddp"](idx).sum().backward()
+    return names["state"].step == 1 and len(names["state"].digests) == 2 and names["x_hat"].dtype == torch.float32
+
+
+@pytest.mark.distributed
+def test_gift_example_runs(rank_pool):
+    assert rank_pool(2).run(_run_gift_example, _python_block("GIFT: low-precision gradient communication")) == \
+        [True, True]

@@ -1,0 +1,205 @@
+"""Jobs for GIFT's DDP communication hook (``fk.gift.gift_hook``) on a rank pool
+(``ranks.RankPool``): each is a module-level function run on every rank, returning
+what the properties in ``properties/test_gift_hook.py`` compare."""
+
+import copy
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import forge_kernels as fk
+
+#: bytes of E4M3 codes that are finite (all but 0x7F and 0xFF)
+E4M3_FINITE = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+
+
+def _integer_mlp(seed: int) -> nn.Sequential:
+    """Small integer weights and biases: with integer inputs every gradient is an integer
+    far below 2**24, and every sum and power-of-two average of them is exact."""
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape, generator=g).to(p.dtype))
+    return model
+
+
+def hook_versus_all_reduce(seed: int, unselected: str, bucket_cap_mb: float, steps: int = 2):
+    """GIFT's hook with the identity transform and the identity ("fp32") codec against
+    DDP's own all-reduce averaging, on integer data: [(hook gradient, DDP gradient)] per
+    parameter and step."""
+    rank = dist.get_rank()
+    model = _integer_mlp(seed)
+    twin = copy.deepcopy(model)
+    gift = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    state = fk.gift.GiftState(None, "fp32", 4, 1, layers=[model[0], model[2]], transform="identity",
+                              unselected=unselected)
+    gift.register_comm_hook(state, fk.gift.gift_hook)
+    plain = DistributedDataParallel(twin, bucket_cap_mb=bucket_cap_mb)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    pairs = []
+    for _ in range(steps):
+        x = torch.randint(-3, 4, (8, 16), generator=g).float()
+        target = torch.randint(-2, 3, (8, 8), generator=g).float()
+        for net in (gift, plain):
+            net.zero_grad(set_to_none=True)
+            (net(x) * target).sum().backward()
+        pairs += [(a.grad.clone(), b.grad.clone()) for a, b in zip(model.parameters(), twin.parameters())]
+    return pairs
+
+
+def e4m3_exchange_versus_all_reduce(seed: int, route: str):
+    """The hook's exchange of E4M3 values with the shared amax 448 (scale 1), on the
+    plain or the GIFT route (identity transform), against all_reduce / world."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    codes = E4M3_FINITE[torch.randint(0, E4M3_FINITE.numel(), (6, 32), generator=g)]
+    if rank == world - 1:
+        codes[0, 0] = 0x7E  # 448: the agreed amax, so the scale is 1
+    codes[codes == 0xFE] = 0x7E  # and no -448 elsewhere to confuse the reading
+    x = fk.gift.e4m3.values(codes)
+    state = fk.gift.GiftState(None, "e4m3", layers=(), error_feedback=False)
+    whitening = fk.gift.Whitening.identity(32) if route == "gift" else None
+    out = state.exchange([("g", x, whitening)])[0]
+    expected = x.clone()
+    dist.all_reduce(expected)
+    return out, expected / world
+
+
+def exchange_versus_local_decodes(seed: int, fmt: str, route: str, shape: tuple):
+    """The hook's exchange of rank-specific data (amaxes differing across ranks): its
+    result and, from every rank, what that rank decoded locally (``last_sent``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(shape, generator=g) * 2.0 ** (3 * rank) * torch.logspace(-3, 0, shape[-1], base=2.0)
+    state = fk.gift.GiftState(None, fmt, layers=(), error_feedback=False)
+    whitening = fk.gift.Whitening.identity(shape[-1]) if route == "gift" else None
+    out = state.exchange([("g", x, whitening), ("h", x[..., :1].clone(), None)])
+    sent = [state.last_sent["g"], state.last_sent["h"]]
+    everyone = [[torch.empty_like(t) for _ in range(world)] for t in sent]
+    for gathered, t in zip(everyone, sent):
+        dist.all_gather(gathered, t)
+    return out, everyone
+
+
+def hook_gain(seed: int, fmt: str, route: str, features: int = 1024, subspace: int = 32):
+    """RelL2 of the hook's averaged result for one layer gradient against the exact
+    (float64) mean over ranks. Every rank's activations lie in one shared rank-32
+    subspace (scales 1 to 0.1); the transform comes from a 4096-token window recorded by
+    the state's own forward hooks, all-reduced and broadcast by ``refresh``; each rank's
+    gradient is Δᵀ X from 512 tokens of its own."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    basis = torch.linalg.qr(torch.randn(features, subspace, generator=torch.Generator().manual_seed(seed)))[0]
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def activations(rows):
+        return (torch.randn(rows, subspace, generator=g) * torch.logspace(0, -1, subspace)) @ basis.T
+
+    layer = nn.Linear(features, 256, bias=False)
+    state = fk.gift.GiftState(None, fmt, subspace, 50, layers=[layer] if route == "gift" else [],
+                              error_feedback=False)
+    if route == "gift":
+        layer(activations(4096))  # recorded by the state's forward pre-hook
+        state.refresh(0)
+    G = torch.randn(512, 256, generator=g).T @ activations(512)
+    whitening = state.whitenings[0] if route == "gift" else None
+    out = state.exchange([("w", G, whitening)])[0]
+    exact = G.double()
+    dist.all_reduce(exact)
+    exact /= world
+    return float((out.double() - exact).norm() / exact.norm())
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def gift_training_digests(seed: int, fmt: str, steps: int, refresh_every: int):
+    """DDP training with the GIFT hook (whitening, rank 8) on rank-specific data: the
+    factor digests after every refresh and the parameters' digest after every step."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    ddp = DistributedDataParallel(model)
+    state = fk.gift.GiftState(None, fmt, 8, refresh_every, layers=[model[0], model[2]])
+    ddp.register_comm_hook(state, fk.gift.gift_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    mix = torch.randn(32, 32, generator=torch.Generator().manual_seed(seed)) * torch.logspace(0, -2, 32)
+    parameter_digests = []
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=g) @ mix
+        optimizer.zero_grad(set_to_none=True)
+        ((ddp(x) - x) ** 2).mean().backward()
+        optimizer.step()
+        parameter_digests.append(_digest(model.parameters()))
+    return state.digests, parameter_digests
+
+
+def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
+    """Error feedback across refreshes with power-of-two transforms (rank 0 on 4**(k-2)·I,
+    from inputs 2**k·I) and power-of-two scales, dyadic gradients: (Σ sent + residual,
+    Σ input) in real coordinates as float64, and the σ of each transform used."""
+    rank = dist.get_rank()
+    layer = nn.Linear(16, 8, bias=False)
+    state = fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two")
+    key = id(layer.weight)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    sent = torch.zeros(8, 16, dtype=torch.float64)
+    given = torch.zeros(8, 16, dtype=torch.float64)
+    sigmas = []
+    for t in range(steps):
+        if t in refreshes:
+            layer(2.0 ** refreshes[t] * torch.eye(16))
+            state.refresh(0)
+        whitening = state.whitenings[0]
+        G = torch.randint(-64, 65, (8, 16), generator=g).float() * 2.0 ** -6
+        state.exchange([(key, G, whitening)])
+        sent += whitening.invert(state.last_sent[key]).double()
+        given += G.double()
+        sigmas.append(float(whitening.sigma))
+    return sent + state.whitenings[0].invert(state.residuals[key]).double(), given, sigmas
+
+
+def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedback: bool = True,
+                    batch: int = 8, lr: float = 3e-3, refresh_every: int = 50, rank: int = 32):
+    """DDP training of the tiny GPT (``forge_verify.models.tiny_gpt``) on the shipped tales,
+    each rank its own batches, AdamW. ``fmt`` "fp32-allreduce" is DDP's own averaging;
+    otherwise every gradient crosses as ``fmt`` through ``gift_hook``, the MLP output
+    layers (fc2) whitened when ``selection`` is "fc2", none when "none". The training
+    losses, rank 0's view (DDP keeps the ranks' parameters equal)."""
+    from ..models import corpus
+    from ..models.tiny_gpt import GPT, GPTConfig
+
+    text = corpus.load()
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.int64)
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=len(vocab))
+    model = GPT(config)
+    ddp = DistributedDataParallel(model)
+    if fmt != "fp32-allreduce":
+        layers = [block.out for block in model.blocks] if selection == "fc2" else []
+        state = fk.gift.GiftState(None, fmt, rank, refresh_every, layers=layers, error_feedback=error_feedback)
+        ddp.register_comm_hook(state, fk.gift.gift_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - config.block_size - 1, (batch,), generator=g)
+        x = torch.stack([ids[s:s + config.block_size] for s in starts])
+        y = torch.stack([ids[s + 1:s + config.block_size + 1] for s in starts])
+        optimizer.zero_grad(set_to_none=True)
+        logits = ddp(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

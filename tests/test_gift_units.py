@@ -1,0 +1,51 @@
+"""Units of GIFT (``fk.gift``): the covariance window, the format registry, power-of-two
+scales, NVFP4's shape rule."""
+
+import pytest
+import torch
+from torch import nn
+
+import forge_kernels as fk
+
+
+def test_covariance_tracker_is_the_windows_mean_of_x_transpose_x():
+    layer = nn.Linear(6, 3)
+    tracker = fk.gift.CovarianceTracker([layer])
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 5, 6, generator=g) for _ in range(3)]
+    for x in xs:
+        layer(x)
+    with torch.no_grad():
+        layer(torch.randn(4, 6, generator=g))  # evaluation passes are not recorded
+    rows = torch.cat([x.reshape(-1, 6) for x in xs]).double()
+    assert tracker.rows(layer) == 30
+    torch.testing.assert_close(tracker.covariance(layer).double(), rows.T @ rows / 30, rtol=1e-6, atol=1e-6)
+    tracker.reset(layer)
+    assert tracker.rows(layer) == 0
+    with pytest.raises(RuntimeError):
+        tracker.covariance(layer)
+    tracker.remove()
+    layer(xs[0])
+    assert tracker.rows(layer) == 0
+
+
+def test_round_trip_knows_its_formats():
+    assert sorted(fk.gift.FORMATS) == ["e4m3", "e5m2", "nvfp4"]
+    with pytest.raises(ValueError):
+        fk.gift.round_trip(torch.ones(16), "int8")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_power_of_two_scale_is_the_largest_power_of_two_not_above_the_current_scale(fmt):
+    module = fk.gift.FORMATS[fmt]
+    for amax in (1e-30, 0.3, 1.0, 3.0, 448.0, 5e4, 3e38):
+        current = float(module.scale_for(torch.tensor(amax)))
+        power = float(module.scale_for(torch.tensor(amax), power_of_two=True))
+        assert power <= current < 2 * power and power == 2.0 ** round(torch.log2(torch.tensor(power)).item())
+
+
+def test_nvfp4_needs_whole_blocks_along_the_last_dimension():
+    with pytest.raises(ValueError):
+        fk.gift.nvfp4.quantize(torch.ones(4, 24))
+    assert fk.gift.nvfp4.quantize(torch.ones(4, 32)).codes.shape == (4, 16)
+    assert fk.gift.nvfp4.quantize(torch.ones(4, 32)).block_scales.shape == (4, 2)
