@@ -7,6 +7,7 @@ when no GPU is present (decided once, in ``_backend``, before any kernel is defi
 from . import _backend  # noqa: F401  (must run before any @triton.jit below)
 from . import q8
 from ._backend import interpreting, kernel_device
+from .chunkft import ChunkFT
 from .config import PINNED, TileConfig
 from .errors import NonFiniteInputError, NonFiniteUpdateError
 from .linear import ForgeLinear, ForgeLinearFunction, check_updates, fuse
@@ -22,6 +23,6 @@ __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round",
     "ForgeLinear", "ForgeLinearFunction", "fuse", "check_updates", "Trainer", "fused_layers", "unfused_parameters",
-    "WeightSlice", "UpdateReport",
+    "WeightSlice", "UpdateReport", "ChunkFT",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8",
 ]

@@ -8,6 +8,18 @@ sliced; the full dX is never changed by slicing (the layers compute it as torch 
 import torch
 
 
+def token_sum(values):
+    """Σ over dim 0 of a (T, D) tensor, each column summed in token order on its own.
+
+    torch's ``sum(0)`` blocks the reduction by position, so a column's bits depend on the
+    columns around it (a slice would not get the whole's bits); the last prefix of
+    ``cumsum`` reads only its own column, in order (torch's CPU scan accumulates in the
+    dtype's accumulation type, float64 for float32, and rounds each prefix once)."""
+    if values.shape[0] == 0:
+        return values.new_zeros(values.shape[1:])
+    return values.cumsum(0)[-1]
+
+
 def embedding_weight_grad(indices, dy, start, stop, *, padding_idx=None, scale_grad_by_freq=False):
     """Rows ``start:stop`` of nn.Embedding's weight gradient for ``indices`` (any shape)
     and ``dy`` (indices.shape + (D,)). Tokens outside the rows are dropped before the
@@ -40,9 +52,9 @@ def norm_weight_grad(x, dy, start, stop, kind, eps):
     """Elements ``start:stop`` of a LayerNorm/RMSNorm weight's gradient: Σ_tokens dy·x̂ on
     those features (the statistics still read the whole feature axis)."""
     x_hat = normalized_input(x.reshape(-1, x.shape[-1]), kind, eps)[:, start:stop]
-    return (dy.reshape(-1, dy.shape[-1])[:, start:stop] * x_hat).sum(0)
+    return token_sum(dy.reshape(-1, dy.shape[-1])[:, start:stop] * x_hat)
 
 
 def bias_grad(dy, start, stop):
     """Elements ``start:stop`` of a bias's gradient (Linear or LayerNorm): Σ_tokens dy."""
-    return dy.reshape(-1, dy.shape[-1])[:, start:stop].sum(0)
+    return token_sum(dy.reshape(-1, dy.shape[-1])[:, start:stop])
