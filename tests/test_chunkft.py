@@ -1,0 +1,180 @@
+"""ChunkFT: refusals, sliced backwards against autograd in float64, forward and dX
+unchanged, the LR scheduler per optimizer step, the host state store."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import forge_kernels as fk
+from forge_kernels.chunkft import sliced
+from forge_verify.checks.chunkft import ChunkProblem
+
+
+def _relative(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+# ----- refusals --------------------------------------------------------------------------
+class _MyLinear(nn.Linear):
+    pass
+
+
+@pytest.mark.parametrize("model, named", [
+    (nn.Sequential(nn.Conv1d(2, 2, 1), nn.Linear(2, 2)), ["'0.weight' (Conv1d", "'0.bias' (Conv1d"]),
+    (nn.Sequential(_MyLinear(2, 2)), ["'0.weight' (_MyLinear"]),
+    (nn.Sequential(nn.Embedding(4, 2, max_norm=1.0)), ["'0.weight' (Embedding with max_norm"]),
+    (nn.Sequential(nn.Linear(2, 2).double()), ["'0.weight' (torch.float64"]),
+    (nn.Sequential(nn.LayerNorm((2, 3))), ["'0.weight' (LayerNorm over 2 dims"]),
+])
+def test_unsupported_trainable_parameters_are_refused_by_name(model, named):
+    with pytest.raises(ValueError, match="ChunkFT cannot train") as error:
+        fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    for text in named:
+        assert text in str(error.value)
+
+
+def test_tied_parameters_are_refused():
+    model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match="tied parameters"):
+        fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+
+
+def test_frozen_unsupported_modules_are_fine():
+    model = nn.Sequential(nn.Conv1d(2, 2, 1).requires_grad_(False), nn.Linear(1, 2))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=2)
+    assert [ctl.chunk_slices(c) for c in range(2)] == [[("1.weight", 0, 0, 2)], [("1.bias", 0, 0, 2)]]
+
+
+def test_misuse_is_refused():
+    model = nn.Sequential(nn.Linear(3, 3))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    x = torch.randn(2, 3)
+    with pytest.raises(TypeError, match="closure"):
+        ctl.step()
+    with pytest.raises(RuntimeError, match="outside ChunkFT.step"):
+        model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="ran twice in one ChunkFT step"):
+        ctl.step(lambda: model(model(x)).sum())
+    with pytest.raises(ValueError, match="empty"):
+        fk.ChunkFT(nn.Sequential(nn.Linear(2, 1, bias=False)), fk.SGD(lr=0.1), chunks=2)
+    outside = nn.Sequential(nn.Linear(3, 3))
+    ctl = fk.ChunkFT(outside, fk.SGD(lr=0.1), chunks=1)
+    with pytest.raises(RuntimeError, match="from a use outside its module"):
+        ctl.step(lambda: (outside(x) + x @ outside[0].weight).sum())
+
+
+def test_checkpoint_of_another_configuration_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4))
+    saved = fk.ChunkFT(model, fk.AdamW(lr=0.1), chunks=2).state_dict()
+    other = fk.ChunkFT(nn.Sequential(nn.Linear(4, 4)), fk.AdamW(lr=0.1), chunks=3)
+    with pytest.raises(ValueError, match=r"another configuration: \['chunks', 'plan'\]"):
+        other.load_state_dict(saved)
+
+
+# ----- sliced backwards against autograd, float64 -----------------------------------------
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_sliced_embedding_gradient_is_autograds_slice_bitwise(padding_idx, scale_grad_by_freq):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(29, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    indices = torch.randint(0, 29, (4, 11), generator=gen)
+    indices[0, :4] = 3  # the padding row, several times
+    dy = torch.randn(4, 11, 8, dtype=torch.float64, generator=gen)
+    F.embedding(indices, weight, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq).backward(dy)
+    for start, stop in [(0, 29), (0, 1), (3, 4), (2, 17), (17, 29)]:
+        grad = sliced.embedding_weight_grad(indices, dy, start, stop, padding_idx=padding_idx,
+                                            scale_grad_by_freq=scale_grad_by_freq)
+        assert torch.equal(grad, weight.grad[start:stop]), (start, stop)
+    if padding_idx is not None:
+        assert not sliced.embedding_weight_grad(indices, dy, 0, 29, padding_idx=padding_idx)[padding_idx].any()
+
+
+@pytest.mark.parametrize("kind, bias", [("layer_norm", True), ("layer_norm", False), ("rms_norm", False)])
+def test_sliced_norm_gradients_are_autograds_slice_within_1e_12(kind, bias):
+    gen = torch.Generator().manual_seed(1)
+    width = 24
+    x = torch.randn(3, 7, width, dtype=torch.float64, generator=gen) * 3 + 1
+    weight = (torch.randn(width, dtype=torch.float64, generator=gen)).requires_grad_()
+    b = torch.randn(width, dtype=torch.float64, generator=gen).requires_grad_() if bias else None
+    dy = torch.randn(3, 7, width, dtype=torch.float64, generator=gen)
+    eps = 1e-5 if kind == "layer_norm" else None
+    if kind == "layer_norm":
+        F.layer_norm(x, (width,), weight, b, eps).backward(dy)
+    else:
+        F.rms_norm(x, (width,), weight, eps).backward(dy)
+    for start, stop in [(0, width), (0, 1), (5, 13), (23, 24)]:
+        grad = sliced.norm_weight_grad(x, dy, start, stop, kind, eps)
+        assert _relative(grad, weight.grad[start:stop]) <= 1e-12
+        if bias:
+            assert _relative(sliced.bias_grad(dy, start, stop), b.grad[start:stop]) <= 1e-12
+
+
+class _Stack(nn.Module):
+    """Every module kind, float64-free: input features in, so dX can be compared."""
+
+    def __init__(self, norm_bias):
+        super().__init__()
+        self.a = nn.Linear(6, 40)
+        self.norm = nn.LayerNorm(40, bias=norm_bias)
+        self.rms = nn.RMSNorm(40)
+        self.b = nn.Linear(40, 5, bias=False)
+
+    def forward(self, x):
+        return self.b(self.rms(self.norm(self.a(x))))
+
+
+@pytest.mark.parametrize("split", ["rows", "cols"])
+@pytest.mark.parametrize("norm_bias", [True, False])
+def test_forward_and_input_gradient_are_unchanged(split, norm_bias):
+    torch.manual_seed(0)
+    plain = _Stack(norm_bias)
+    chunked = _Stack(norm_bias)
+    chunked.load_state_dict(plain.state_dict())
+    ctl = fk.ChunkFT(chunked, fk.AdamW(lr=1e-3), chunks=3, split=split)
+    x = torch.randn(2, 3, 6)
+    x_plain, x_chunked = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = plain(x_plain)
+    out.square().sum().backward()
+    seen = []
+    ctl.step(lambda: seen.append(chunked(x_chunked)) or seen[-1].square().sum())
+    assert torch.equal(seen[0], out)
+    assert torch.equal(x_chunked.grad, x_plain.grad)
+    assert all(p.grad is None for p in chunked.parameters())
+
+
+# ----- learning rate, state store ---------------------------------------------------------
+def test_lr_scheduler_drives_the_rule_per_optimizer_step():
+    problem = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=0)
+    model = problem.model()
+    rule = fk.SGD(lr=0.1)
+    ctl = fk.ChunkFT(model, rule, chunks=3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(ctl, lambda t: 0.5 ** t)
+    seen = []
+    for tokens, targets in problem.batches(5):
+        ctl.step(lambda: seen.append(rule.lr) or F.cross_entropy(model(tokens).reshape(-1, 5), targets.reshape(-1)))
+        scheduler.step()
+    assert seen == [0.1 * 0.5 ** t for t in range(5)]
+
+
+def test_host_state_store_gives_the_device_stores_bits():
+    problem = ChunkProblem(vocab=6, width=5, hidden=7, batch=1, length=3, seed=2)
+    runs = []
+    for store in ("device", "host"):
+        model = problem.model()
+        ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), chunks=2, state_store=store)
+        for tokens, targets in problem.batches(5):
+            ctl.step(lambda: F.cross_entropy(model(tokens).reshape(-1, 6), targets.reshape(-1)))
+        runs.append([p.detach().clone() for p in model.parameters()])
+        inactive = ctl.chunk_state(1 - ctl.active_chunk)
+        assert all(t.device.type == "cpu" for s in inactive.values() for t in s.values())
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_remove_gives_the_model_its_forwards_back():
+    model = nn.Sequential(nn.Linear(3, 3))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    ctl.remove()
+    model(torch.randn(2, 3)).sum().backward()
+    assert model[0].weight.grad is not None
