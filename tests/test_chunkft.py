@@ -178,3 +178,16 @@ def test_remove_gives_the_model_its_forwards_back():
     ctl.remove()
     model(torch.randn(2, 3)).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_descent_check_fails_a_step_too_long():
+    """The descent property's control: on orthogonal inputs (every direction a top
+    eigenvector, the lemma tight) lr = 1.2/L_c leaves f above the lemma's bound."""
+    from forge_verify.checks import chunkft
+    gen = torch.Generator().manual_seed(3)
+    x = torch.linalg.qr(torch.randn(16, 8, generator=gen, dtype=torch.float64))[0].float() * 2
+    y, w0 = torch.randn(16, 6, generator=gen), torch.randn(6, 8, generator=gen)
+    for split in ("rows", "cols"):
+        assert chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3) >= 0
+        with pytest.raises(AssertionError, match="above the descent bound"):
+            chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3, lr_factor=1.2)

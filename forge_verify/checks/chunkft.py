@@ -259,3 +259,82 @@ def _through_bytes(state_dict):
     torch.save(state_dict, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+# ----- descent on a convex quadratic -------------------------------------------------------
+def _gamma(n, u=_U32):
+    return n * u / (1 - n * u)
+
+
+def quadratic_objective(weight, x, y):
+    """f(W) = ½ Σ_t ‖W x_t − y_t‖², in float64 (W: (N, K), x: (T, K), y: (T, N))."""
+    residual = x @ weight.T - y
+    return 0.5 * float((residual * residual).sum())
+
+
+def quadratic_gradient(weight, x, y):
+    return (x @ weight.T - y).T @ x
+
+
+def chunk_smoothness(x, dim, start, stop) -> float:
+    """L_c: the largest eigenvalue of f's Hessian restricted to the chunk. f separates over
+    the rows of W, each row's Hessian is XᵀX; a column range C sees X_CᵀX_C. Computed in
+    float64 and raised by a relative 1e-10, far above eigvalsh's error at these sizes, so
+    that it bounds the true value from above."""
+    xc = x if dim == 0 else x[:, start:stop]
+    return float(torch.linalg.eigvalsh(xc.T @ xc).max()) * (1 + 1e-10) + 1e-300
+
+
+def descent_slack(w, w_new, x, y, lr, dim, start, stop) -> float:
+    """How far rounding can lift f(W̃⁺) above f(W⁺), the exact step's value
+    (proofs/chunkft.md): Σ over the chunk of |∇f(W̃⁺)|·Δ, Δ bounding |W̃⁺ − W⁺| per element
+    from the fp32 forward (dY), the fp32 weight gradient (token sum), lr rounded to fp32 and
+    the rounded update; plus the float64 evaluation error of the three quantities compared."""
+    T, K = x.shape
+    index = (slice(start, stop), slice(None)) if dim == 0 else (slice(None), slice(start, stop))
+    magnitude = x.abs() @ w.abs().T + y.abs()                          # Σ_k |W_ik x_tk| + |y_ti|
+    dy_error = _gamma(K + 1) * magnitude                               # fp32 forward and residual
+    dy_bound = (x @ w.T - y).abs() + dy_error
+    grad_error = _gamma(T) * (dy_bound.T @ x.abs()) + dy_error.T @ x.abs()
+    grad = quadratic_gradient(w, x, y)
+    grad_bound = grad.abs() + grad_error
+    delta = (lr * grad_error + lr * grad_bound * (2 * _U32 + _U32 ** 2)
+             + _U32 / (1 - _U32) * w_new.abs())[index]
+    lift = float((quadratic_gradient(w_new, x, y).abs()[index] * delta).sum()) * (1 + 1e-6)
+    scale = 0.5 * float((x.abs() @ torch.maximum(w.abs(), w_new.abs()).T + y.abs()).square().sum())
+    evaluation = 4 * (K + T + 4) * _U64 * (scale + float(grad_bound.square().sum()) / (2 * (1 / lr)))
+    return lift + evaluation
+
+
+def sgd_chunk_step_descends(x, y, w0, chunks, split, steps, lr_factor=1.0):
+    """ChunkFT with the plain SGD rule on f(W) = ½Σ‖Wx_t − y_t‖² (one nn.Linear, no bias,
+    loss ½‖XWᵀ − Y‖²): every chunk step, with lr = lr_factor / L_c set through the
+    controller's param group, satisfies f(W̃⁺) ≤ f(W) − ‖∇_c f(W)‖²/(2L_c) + slack.
+    Returns the smallest margin (right side minus left side) seen, over f(W)'s value."""
+    T, K = x.shape
+    N = y.shape[1]
+    model = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w0)
+    ctl = fk.ChunkFT(model, fk.SGD(lr=1.0), chunks, split=split)
+    x64, y64 = x.double(), y.double()
+    worst = float("inf")
+    for t in range(steps):
+        ((_, dim, start, stop),) = ctl.chunk_slices(ctl.active_chunk)
+        L = chunk_smoothness(x64, dim, start, stop)
+        lr = lr_factor / L
+        ctl.param_groups[0]["lr"] = lr
+        w = model.weight.detach().double().clone()
+        index = (slice(start, stop), slice(None)) if dim == 0 else (slice(None), slice(start, stop))
+        f0 = quadratic_objective(w, x64, y64)
+        g = quadratic_gradient(w, x64, y64)[index]
+        ctl.step(lambda: 0.5 * (model(x) - y).square().sum())
+        w_new = model.weight.detach().double()
+        f1 = quadratic_objective(w_new, x64, y64)
+        bound = f0 - float(g.square().sum()) / (2 * L) + descent_slack(w, w_new, x64, y64, lr, dim, start, stop)
+        if f1 > bound:
+            raise AssertionError(f"step {t}, chunk {ctl.chunk_at(t)} ({split}, rows/cols {start}:{stop}), "
+                                 f"lr={lr_factor}/L_c: f went {f0!r} -> {f1!r}, above the descent bound "
+                                 f"{bound!r} (by {f1 - bound:.3e})")
+        worst = min(worst, (bound - f1) / max(f0, 1e-300))
+    return worst
