@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from forge_verify.checks import chunkft
+from forge_verify.checks.observations import observe
 
 
 def _problem(seed, tokens, inputs, outputs, orthogonal):
@@ -27,4 +28,5 @@ def test_each_sgd_chunk_step_satisfies_the_descent_lemma(seed, tokens, inputs, o
         tokens = max(tokens, inputs)
     x, y, w0 = _problem(seed, tokens, inputs, outputs, orthogonal)
     size = outputs if split == "rows" else inputs
-    chunkft.sgd_chunk_step_descends(x, y, w0, min(chunks, size), split, steps=4)
+    margin = chunkft.sgd_chunk_step_descends(x, y, w0, min(chunks, size), split, steps=4)
+    observe(margin, "margin under the descent bound, over f")

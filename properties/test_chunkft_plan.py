@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from forge_verify.checks import chunkft
 from forge_verify.checks import strategies as fst
+from forge_verify.checks.observations import observe
 
 
 @st.composite
@@ -37,3 +38,4 @@ def test_chunks_cover_every_element_once_within_a_cut_of_their_budget(data):
     except ValueError as error:
         # Only a chunk left empty (rows far over the budget) may be refused, by name.
         assert "empty" in str(error), error
+    observe(0)

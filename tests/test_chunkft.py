@@ -191,3 +191,20 @@ def test_descent_check_fails_a_step_too_long():
         assert chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3) >= 0
         with pytest.raises(AssertionError, match="above the descent bound"):
             chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3, lr_factor=1.2)
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## ChunkFT: full-parameter fine-tuning over a rotating working set", 1)[1]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    problem = ChunkProblem(vocab=7, width=6, hidden=5, batch=2, length=3, seed=4)
+    model = problem.model()
+    monkeypatch.chdir(tmp_path)  # it saves a checkpoint
+    names = {"model": model, "batches": problem.batches(3),
+             "loss_fn": lambda logits, targets: F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))}
+    exec(compile(source, "README.md", "exec"), names)
+    assert names["ctl"].chunk_steps == (1, 1, 1, 0, 0, 0, 0, 0)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert saved["chunkft"]["position"] == 3

@@ -120,14 +120,23 @@ def plan_covers(named_shapes, rule, state_format, split, chunks, along_rows=()):
     position = 0
     for i, pieces in enumerate(plan[:-1], start=1):
         position += sum((p.stop - p.start) * by_name[p.name].units_per_index for p in pieces)
-        last = by_name[pieces[-1].name]
-        granule_units = last.units_per_index * last.granule
+        # the granule of the tensor the budget position falls in (the boundary may land on
+        # that tensor's start, after the chunk's last piece)
+        target = next(c for c in _with_starts(costs) if c[0] * chunks <= i * total < (c[0] + c[1].units) * chunks)[1]
+        granule_units = target.units_per_index * target.granule
         # |position − i·total/chunks| ≤ granule/2, in exact integers (scaled by 2·chunks)
         if abs(2 * chunks * position - 2 * i * total) > chunks * granule_units:
             raise AssertionError(f"{what}: boundary {i} at {position / UNITS_PER_BYTE} bytes, budget position "
                                  f"{i * total / chunks / UNITS_PER_BYTE}: more than half a cut "
                                  f"({granule_units / UNITS_PER_BYTE / 2} bytes) away")
     return plan
+
+
+def _with_starts(costs):
+    start = 0
+    for cost in costs:
+        yield start, cost
+        start += cost.units
 
 
 # ----- one chunk step against the dense step ---------------------------------------------
