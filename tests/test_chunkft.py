@@ -34,6 +34,13 @@ def test_unsupported_trainable_parameters_are_refused_by_name(model, named):
         assert text in str(error.value)
 
 
+def test_a_parameter_the_module_does_not_use_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].scale = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="'0.scale' \\(a parameter Linear does not have of its own"):
+        fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+
+
 def test_tied_parameters_are_refused():
     model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
     model[1].weight = model[0].weight
@@ -71,6 +78,25 @@ def test_checkpoint_of_another_configuration_is_refused():
     other = fk.ChunkFT(nn.Sequential(nn.Linear(4, 4)), fk.AdamW(lr=0.1), chunks=3)
     with pytest.raises(ValueError, match=r"another configuration: \['chunks', 'plan'\]"):
         other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
+def test_one_chunk_is_the_plain_fused_update(state_format):
+    """chunks=1 (the properties' dense step) is fk.fused_weight_update on the whole weight
+    with the tensor's rounding key: bitwise, weight and state."""
+    torch.manual_seed(0)
+    layer = nn.Linear(40, 6, bias=False)
+    weight = layer.weight.detach().clone()
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    ctl = fk.ChunkFT(nn.Sequential(layer), rule, chunks=1, seed=5, state_format=state_format)
+    x = torch.randn(3, 40)
+    dy = torch.randn(3, 6)
+    ctl.step(lambda: (layer(x) * dy).sum())
+    state = rule.init_state(weight, state_format=state_format)
+    fk.fused_weight_update(x, dy, weight, state, rule, 1, seed=fk.chunkft.tensor_seed(5, 0))
+    assert torch.equal(layer.weight.detach().view(torch.int32), weight.view(torch.int32))
+    for key, tensor in ctl.chunk_state(0)["0.weight"].items():
+        assert torch.equal(tensor, state[key]), key
 
 
 # ----- sliced backwards against autograd, float64 -----------------------------------------

@@ -26,6 +26,9 @@ ORDERS = ("cyclic", "random")
 STATE_STORES = ("device", "host")
 _SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 _SUPPORTED_NAMES = "nn.Linear, nn.Embedding, nn.LayerNorm and nn.RMSNorm"
+#: the parameters each supported module's forward uses (and ChunkFT steps)
+_ATTRIBUTES = {nn.Linear: ("weight", "bias"), nn.Embedding: ("weight",), nn.LayerNorm: ("weight", "bias"),
+               nn.RMSNorm: ("weight",)}
 # Per-tensor rounding streams: tensor i of the stream draws from seed + i * this (mod 2**63).
 _SEED_STRIDE = 0x9E3779B97F4A7C15
 
@@ -120,6 +123,9 @@ class ChunkFT(torch.optim.Optimizer):
                  seed=0, *, state_format="fp32", rounding=None, config=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError("ChunkFT does not reduce gradients across data-parallel ranks yet: a DDP-wrapped "
+                             "model would train each rank's chunk on its own batch only; refused")
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if isinstance(switch_every, bool) or not isinstance(switch_every, int) or switch_every < 1:
@@ -412,6 +418,10 @@ def _trainable(model):
             if kind not in _SUPPORTED:
                 problems.append(f"{name!r} ({kind.__name__}: ChunkFT slices parameters of {_SUPPORTED_NAMES} "
                                 "only, not subclasses)")
+                continue
+            if attr not in _ATTRIBUTES[kind]:
+                problems.append(f"{name!r} (a parameter {kind.__name__} does not have of its own: ChunkFT steps "
+                                f"{' and '.join(_ATTRIBUTES[kind])} only)")
                 continue
             if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
                 problems.append(f"{name!r} (Embedding with max_norm or sparse=True)")
