@@ -234,3 +234,57 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     assert names["ctl"].chunk_steps == (1, 1, 1, 0, 0, 0, 0, 0)
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["chunkft"]["position"] == 3
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("padding_idx, scale_grad_by_freq", [(None, False), (2, False), (2, True)])
+def test_embedding_step_is_the_rule_on_autograds_gradient(padding_idx, scale_grad_by_freq):
+    """Model level: what ChunkFT's Embedding backward feeds the rule is autograd's gradient
+    (fp32, bitwise): the padding row and the frequency scaling reach the update."""
+    torch.manual_seed(1)
+    embedding = nn.Embedding(9, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    plain = nn.Embedding(9, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    plain.load_state_dict(embedding.state_dict())
+    tokens = torch.tensor([[2, 2, 5, 1, 2, 7]])
+    dy = torch.randn(1, 6, 4)
+    rule = fk.SGD(lr=0.5)
+    ctl = fk.ChunkFT(_Wrap(embedding), rule, chunks=1)
+    ctl.step(lambda: (embedding(tokens) * dy).sum())
+    (plain(tokens) * dy).sum().backward()
+    expected = plain.weight.detach().clone()
+    fk.apply_rule(plain.weight.grad, expected, rule.init_state(expected), rule, 1,
+                  seed=fk.chunkft.tensor_seed(0, 0))
+    assert torch.equal(embedding.weight.detach(), expected)
+    if padding_idx is not None:
+        assert torch.equal(embedding.weight.detach()[padding_idx], plain.weight.detach()[padding_idx])
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(12), lambda: nn.LayerNorm(12, bias=False),
+                                  lambda: nn.RMSNorm(12), lambda: nn.RMSNorm(12, eps=1e-3),
+                                  lambda: nn.Linear(5, 12)], ids=["ln", "ln-nobias", "rms", "rms-eps", "linear"])
+def test_norm_and_bias_steps_follow_autograds_gradient(make):
+    """Model level: an SGD step of each norm (and a Linear's bias) moves its parameters by
+    lr times autograd's gradient, to fp32 accuracy (a norm stepped with another norm's
+    mathematics, the anchor's RMSNorm defect, is off by its whole gradient)."""
+    torch.manual_seed(2)
+    module, plain = make(), make()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    plain.load_state_dict(module.state_dict())
+    x = torch.randn(4, 3, module.weight.shape[1] if isinstance(module, nn.Linear) else 12) * 2 + 0.5
+    dy = torch.randn(4, 3, 12)
+    ctl = fk.ChunkFT(_Wrap(module), fk.SGD(lr=0.25), chunks=1)
+    ctl.step(lambda: (module(x) * dy).sum())
+    (plain(x) * dy).sum().backward()
+    for (name, p), q in zip(module.named_parameters(), plain.parameters()):
+        step = (q.detach() - p.detach()).double() / 0.25
+        assert _relative(step, q.grad.double()) < 1e-5, name
