@@ -104,8 +104,7 @@ def plan_covers(named_shapes, rule, state_format, split, chunks, along_rows=()):
             if piece.dim != cost.dim:
                 raise AssertionError(f"{what}: chunk {i} cuts {piece.name!r} along dim {piece.dim}, "
                                      f"expected {cost.dim}")
-            index = (slice(piece.start, piece.stop),) if piece.dim == 0 else (slice(None), slice(piece.start, piece.stop))
-            cover[piece.name][index] += 1
+            cover[piece.name][_index(piece, cover[piece.name].shape)] += 1
             granule = cost.granule
             for end in (piece.start, piece.stop):
                 if end % granule and end != cost.length:
@@ -114,8 +113,8 @@ def plan_covers(named_shapes, rule, state_format, split, chunks, along_rows=()):
     for name, counts in cover.items():
         if counts.numel() and not bool((counts == 1).all()):
             bad = int((counts != 1).sum())
-            raise AssertionError(f"{what}: {bad} element(s) of {name!r} are in {sorted(set(counts.flatten().tolist()))} "
-                                 "chunks, not exactly one")
+            found = sorted(set(counts.flatten().tolist()))
+            raise AssertionError(f"{what}: {bad} element(s) of {name!r} are in {found} chunks, not exactly one")
     total = sum(c.units for c in costs)
     position = 0
     for i, pieces in enumerate(plan[:-1], start=1):
