@@ -28,5 +28,5 @@ def test_each_sgd_chunk_step_satisfies_the_descent_lemma(seed, tokens, inputs, o
         tokens = max(tokens, inputs)
     x, y, w0 = _problem(seed, tokens, inputs, outputs, orthogonal)
     size = outputs if split == "rows" else inputs
-    margin = chunkft.sgd_chunk_step_descends(x, y, w0, min(chunks, size), split, steps=4)
-    observe(margin, "margin under the descent bound, over f")
+    share = chunkft.sgd_chunk_step_descends(x, y, w0, min(chunks, size), split, steps=4)
+    observe(share, "of the achieved decrease guaranteed")

@@ -214,7 +214,7 @@ def test_descent_check_fails_a_step_too_long():
     x = torch.linalg.qr(torch.randn(16, 8, generator=gen, dtype=torch.float64))[0].float() * 2
     y, w0 = torch.randn(16, 6, generator=gen), torch.randn(6, 8, generator=gen)
     for split in ("rows", "cols"):
-        assert chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3) >= 0
+        assert chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3) <= 1
         with pytest.raises(AssertionError, match="above the descent bound"):
             chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3, lr_factor=1.2)
 
