@@ -288,3 +288,22 @@ def test_norm_and_bias_steps_follow_autograds_gradient(make):
     for (name, p), q in zip(module.named_parameters(), plain.parameters()):
         step = (q.detach() - p.detach()).double() / 0.25
         assert _relative(step, q.grad.double()) < 1e-5, name
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "q8"])
+def test_state_is_made_on_first_visit_and_sized_to_the_chunks_slices(state_format):
+    """Optimizer memory follows the chunk: no state before a chunk's first visit, and a
+    visited chunk's state holds its slices' elements only (per slot)."""
+    problem = ChunkProblem(vocab=6, width=40, hidden=36, batch=1, length=2, seed=3)
+    model = problem.model()
+    ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-3), chunks=4, split="cols", state_format=state_format)
+    assert all(not ctl.chunk_state(c) for c in range(4))
+    tokens, targets = problem.batches(1)[0]
+    ctl.step(lambda: F.cross_entropy(model(tokens).reshape(-1, 6), targets.reshape(-1)))
+    assert all(not ctl.chunk_state(c) for c in range(1, 4))
+    params = dict(model.named_parameters())
+    for name, dim, start, stop in ctl.chunk_slices(0):
+        shape = list(params[name].shape)
+        shape[dim] = stop - start
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert ctl.chunk_state(0)[name][slot].numel() == torch.Size(shape).numel()
