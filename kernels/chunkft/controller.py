@@ -1,0 +1,443 @@
+"""The ChunkFT controller: which chunk is active, the sliced updates, per-chunk state.
+
+Each supported module's forward is replaced (an instance attribute, removed by
+``ChunkFT.remove()``) by the same functional op inside an autograd Function whose
+backward computes the full dX exactly as torch does, then steps the active chunk's
+slice of the module's parameters in place and returns no parameter gradient
+(``.grad`` stays None). nn.Linear weights step through the fused kernel on their row
+or column range (``WeightSlice``), so their gradient never exists; Embedding, norm and
+bias slices get their slice's gradient (``sliced``) and the same epilogue
+(``apply_rule``). Stochastic rounding is keyed on each element's index in its whole
+parameter, so a slice rounds as the dense update would.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
+from ..ops.stochastic_round import check_seed
+from ..rules.base import Rule
+from ..weight_slice import WeightSlice
+from . import sliced
+from .plan import SPLITS, plan_chunks, tensor_costs
+
+ORDERS = ("cyclic", "random")
+STATE_STORES = ("device", "host")
+_SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+_SUPPORTED_NAMES = "nn.Linear, nn.Embedding, nn.LayerNorm and nn.RMSNorm"
+#: the parameters each supported module's forward uses (and ChunkFT steps)
+_ATTRIBUTES = {nn.Linear: ("weight", "bias"), nn.Embedding: ("weight",), nn.LayerNorm: ("weight", "bias"),
+               nn.RMSNorm: ("weight",)}
+# Per-tensor rounding streams: tensor i of the stream draws from seed + i * this (mod 2**63).
+_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """The stochastic-rounding key of trainable tensor ``index`` (stream order) under ``seed``."""
+    return (seed + index * _SEED_STRIDE) % 2**63
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ctl, module):
+        ctx.save_for_backward(x, weight)
+        ctx.ctl, ctx.module = ctl, module
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        ctx.ctl._linear_step(ctx.module, x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
+        return dx, None, None, None, None
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, indices, weight, ctl, module):
+        ctx.save_for_backward(indices)
+        ctx.ctl, ctx.module = ctl, module
+        return F.embedding(indices, weight, module.padding_idx, None, module.norm_type,
+                           module.scale_grad_by_freq, False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (indices,) = ctx.saved_tensors
+        ctx.ctl._embedding_step(ctx.module, indices, dy)
+        return None, None, None, None
+
+
+def _norm(module, x, weight, bias):
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+    return F.rms_norm(x, module.normalized_shape, weight, module.eps)
+
+
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ctl, module):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.ctl, ctx.module = ctl, module
+        return _norm(module, x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # torch's own backward of the same op, with the parameters as constants: dX bit
+            # for bit as the unmodified module's (tests/test_chunkft.py).
+            with torch.enable_grad():
+                leaf = x.detach().requires_grad_()
+                out = _norm(ctx.module, leaf, weight.detach() if weight is not None else None,
+                            bias.detach() if bias is not None else None)
+                (dx,) = torch.autograd.grad(out, leaf, dy)
+        ctx.ctl._norm_step(ctx.module, x, dy)
+        return dx, None, None, None, None
+
+
+class ChunkFT(torch.optim.Optimizer):
+    """Full-parameter fine-tuning over a rotating working set of sub-tensors.
+
+    Every trainable parameter of ``model`` (``named_parameters()`` order) joins one byte
+    stream (its bytes plus its optimizer state's in ``state_format``), cut into
+    ``chunks`` equal budgets (``plan.plan_chunks``); ``split`` cuts nn.Linear weights
+    into row ("rows") or column ("cols") ranges, 1-D tensors and embeddings always along
+    dim 0. At optimizer step t (0-based) the active chunk is ``(t // switch_every) mod
+    chunks`` (``order="cyclic"``), or that position of a permutation of the chunks drawn
+    per cycle from ``seed`` (``"random"``). Only the active chunk's slices are stepped.
+
+    Optimizer state is kept per (tensor, chunk), created (zero, the rule's initial
+    value) on the chunk's first visit and kept across cycles; each chunk counts its own
+    steps, so bias corrections are right for every chunk. ``state_store="host"`` moves an
+    inactive chunk's state to host memory (pinned when CUDA is available) in its own
+    format, losslessly.
+
+    The learning rate is ``param_groups[0]["lr"]`` (initially ``rule.lr``), copied into
+    ``rule.lr`` at every step, so a torch LR scheduler built on this object and stepped
+    once per ``step()`` drives it per optimizer step.
+    """
+
+    def __init__(self, model, rule, chunks, switch_every=1, split="rows", order="cyclic", state_store="device",
+                 seed=0, *, state_format="fp32", rounding=None, config=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError("ChunkFT does not reduce gradients across data-parallel ranks yet: a DDP-wrapped "
+                             "model would train each rank's chunk on its own batch only; refused")
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
+        if isinstance(switch_every, bool) or not isinstance(switch_every, int) or switch_every < 1:
+            raise ValueError(f"switch_every must be a positive integer, got {switch_every!r}")
+        for name, value, allowed in (("split", split, SPLITS), ("order", order, ORDERS),
+                                     ("state_store", state_store, STATE_STORES),
+                                     ("rounding", rounding, (None, *ROUNDINGS))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        self.model, self.rule, self.chunks, self.switch_every = model, rule, chunks, switch_every
+        self.split, self.order, self.state_store, self.seed = split, order, state_store, check_seed(seed)
+        self.state_format, self.rounding, self.config = state_format, rounding, config
+        self._params, self._owner = _trainable(model)
+        embeddings = {name for name, (module, _) in self._owner.items() if isinstance(module, nn.Embedding)}
+        self._costs = tensor_costs(list(self._params.items()), rule, state_format, split, along_rows=embeddings)
+        self._plan = plan_chunks(self._costs, chunks)
+        self._by_name = [{piece.name: piece for piece in pieces} for pieces in self._plan]
+        self._seeds = {name: tensor_seed(self.seed, i) for i, name in enumerate(self._params)}
+        self._module_params = {}
+        for name, (module, attr) in self._owner.items():
+            self._module_params.setdefault(module, {})[attr] = name
+        self._t = 0
+        self._chunk_steps = [0] * chunks
+        self._states = {}
+        self._phase = None
+        self._forwarded = set()
+        super().__init__(list(self._params.values()), {"lr": rule.lr})
+        self._hooks = [param.register_hook(self._outside_gradient(name)) for name, param in self._params.items()]
+        for module in self._module_params:
+            module.forward = _forward_of(self, module)
+
+    # ----- the schedule -------------------------------------------------------------
+    def chunk_at(self, t: int) -> int:
+        """The chunk active at optimizer step ``t`` (0-based)."""
+        block = t // self.switch_every
+        position, cycle = block % self.chunks, block // self.chunks
+        if self.order == "cyclic":
+            return position
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + cycle) % 2**63)
+        return int(torch.randperm(self.chunks, generator=generator)[position])
+
+    @property
+    def active_chunk(self) -> int:
+        return self.chunk_at(self._t)
+
+    @property
+    def steps_taken(self) -> int:
+        return self._t
+
+    @property
+    def chunk_steps(self) -> tuple:
+        """Steps each chunk has taken (its rule's step count)."""
+        return tuple(self._chunk_steps)
+
+    def chunk_slices(self, index: int) -> list:
+        """Chunk ``index`` as a list of (parameter name, dim, start, stop)."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.chunks:
+            raise ValueError(f"chunk index must be in [0, {self.chunks}), got {index!r}")
+        return [piece.as_tuple() for piece in self._plan[index]]
+
+    def chunk_state(self, index: int) -> dict:
+        """{parameter name: state dict} of chunk ``index`` (empty before its first visit)."""
+        return {name: self._states[(name, index)] for name in self._by_name[index] if (name, index) in self._states}
+
+    # ----- stepping -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step: ``closure()`` runs the forward and returns the loss (it must
+        not call backward); the backward then runs here and steps the active chunk."""
+        if closure is None:
+            raise TypeError("ChunkFT.step needs a closure that runs the forward and returns the loss: the "
+                            "active chunk is stepped inside the backward")
+        self.rule.lr = self.param_groups[0]["lr"]
+        chunk = self.active_chunk
+        self._activate(chunk)
+        self._phase, self._forwarded = "forward", set()
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                raise TypeError("the closure must return the loss as a tensor that requires grad (run the "
+                                "forward under grad mode; do not call backward in it)")
+            self._phase = "backward"
+            with torch.enable_grad():
+                loss.backward()
+        finally:
+            self._phase, self._forwarded = None, set()
+        self._chunk_steps[chunk] += 1
+        self._t += 1
+        if self.state_store == "host" and self.active_chunk != chunk:
+            self._move_state(chunk, torch.device("cpu"))
+        return loss.detach()
+
+    def _activate(self, chunk):
+        for name, piece in self._by_name[chunk].items():
+            param = self._params[name]
+            key = (name, chunk)
+            if key not in self._states:
+                self._states[key] = self.rule.init_state(
+                    torch.empty(_state_shape(param.shape, piece), dtype=param.dtype, device=param.device),
+                    state_format=self.state_format)
+        self._move_state(chunk, None)
+
+    def _move_state(self, chunk, device):
+        """Move chunk's state to ``device`` (``None``: each parameter's own device) in its format."""
+        for name in self._by_name[chunk]:
+            key = (name, chunk)
+            if key not in self._states:
+                continue
+            target = self._params[name].device if device is None else device
+            moved = {}
+            for slot, tensor in self._states[key].items():
+                if tensor.device == target:
+                    moved[slot] = tensor
+                elif target.type == "cpu" and torch.cuda.is_available():
+                    moved[slot] = tensor.to("cpu").pin_memory()
+                else:
+                    moved[slot] = tensor.to(target, non_blocking=True)
+            self._states[key] = moved
+
+    def _active_piece(self, module, attr):
+        name = self._module_params[module].get(attr)
+        if name is None:
+            return None, None
+        if self._phase != "backward":
+            raise RuntimeError(f"a backward reached ChunkFT parameter {name!r} outside ChunkFT.step: ChunkFT "
+                               "steps the active chunk inside the backward that step() runs")
+        return name, self._by_name[self.active_chunk].get(name)
+
+    def _kernel_args(self, name):
+        chunk = self.active_chunk
+        return dict(rule=self.rule, step=self._chunk_steps[chunk] + 1, config=self.config, rounding=self.rounding,
+                    seed=self._seeds[name]), self._states[(name, chunk)]
+
+    def _linear_step(self, module, x, dy):
+        name, piece = self._active_piece(module, "weight")
+        if piece is not None:
+            weight = self._params[name].detach()
+            place_shape = tuple(weight.shape)
+            kwargs, state = self._kernel_args(name)
+            s, e = piece.start, piece.stop
+            if piece.dim == 0:
+                fused_weight_update(x, dy[:, s:e], weight[s:e], state, weight_slice=WeightSlice(s, 0, place_shape),
+                                    **kwargs)
+            else:
+                columns = weight[:, s:e].contiguous()
+                fused_weight_update(x[:, s:e], dy, columns, state, weight_slice=WeightSlice(0, s, place_shape),
+                                    **kwargs)
+                weight[:, s:e].copy_(columns)
+        self._vector_step(module, "bias", lambda s, e: sliced.bias_grad(dy.float(), s, e))
+
+    def _embedding_step(self, module, indices, dy):
+        name, piece = self._active_piece(module, "weight")
+        if piece is None:
+            return
+        weight = self._params[name].detach()
+        s, e = piece.start, piece.stop
+        grad = sliced.embedding_weight_grad(indices, dy.float(), s, e, padding_idx=module.padding_idx,
+                                            scale_grad_by_freq=module.scale_grad_by_freq)
+        kwargs, state = self._kernel_args(name)
+        apply_rule(grad.contiguous(), weight[s:e], state, weight_slice=WeightSlice(s, 0, tuple(weight.shape)),
+                   **kwargs)
+
+    def _norm_step(self, module, x, dy):
+        kind = "layer_norm" if isinstance(module, nn.LayerNorm) else "rms_norm"
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        x32, dy32 = x.float(), dy.float()
+        self._vector_step(module, "weight", lambda s, e: sliced.norm_weight_grad(x32, dy32, s, e, kind, eps))
+        self._vector_step(module, "bias", lambda s, e: sliced.bias_grad(dy32, s, e))
+
+    def _vector_step(self, module, attr, gradient):
+        """Step the active slice of a 1-D parameter, stepped as one row: (1, n) at column start."""
+        name, piece = self._active_piece(module, attr)
+        if piece is None:
+            return
+        param = self._params[name].detach()
+        s, e = piece.start, piece.stop
+        kwargs, state = self._kernel_args(name)
+        apply_rule(gradient(s, e).reshape(1, e - s).contiguous(), param[s:e].view(1, e - s), state,
+                   weight_slice=WeightSlice(0, s, (1, param.shape[0])), **kwargs)
+
+    def _outside_gradient(self, name):
+        def refuse(grad):
+            if grad is None:  # the module's own backward reports "no gradient" to the hook
+                return None
+            raise RuntimeError(f"a gradient reached ChunkFT parameter {name!r} from a use outside its module; "
+                               "ChunkFT steps parameters only through their own module's backward")
+        return refuse
+
+    def _on_forward(self, module):
+        if self._phase == "forward":
+            if module in self._forwarded:
+                names = sorted(self._module_params[module].values())
+                raise RuntimeError(f"module owning {names} ran twice in one ChunkFT step: its slice would be "
+                                   "stepped twice (reused modules are not supported)")
+            self._forwarded.add(module)
+
+    # ----- checkpoints --------------------------------------------------------------
+    def _describe(self) -> dict:
+        return {"rule": type(self.rule).__name__, "chunks": self.chunks, "switch_every": self.switch_every,
+                "split": self.split, "order": self.order, "seed": self.seed, "state_format": self.state_format,
+                "plan": [[list(piece.as_tuple()) for piece in pieces] for pieces in self._plan]}
+
+    def state_dict(self) -> dict:
+        """Schedule position, per-chunk step counts, the learning rate and every (tensor,
+        chunk) state (copies), with the configuration they belong to."""
+        return {"config": self._describe(), "position": self._t, "chunk_steps": list(self._chunk_steps),
+                "lr": self.param_groups[0]["lr"],
+                "state": {f"{name}@{chunk}": {slot: t.clone() for slot, t in state.items()}
+                          for (name, chunk), state in self._states.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume from ``state_dict()``: the next step is the one the saved run took next, bit
+        for bit (with the model's own ``load_state_dict`` for the weights). A checkpoint of
+        another configuration (rule class, chunks, plan, schedule, seed, format) is refused."""
+        ours, theirs = self._describe(), state_dict.get("config", {})
+        differing = sorted(k for k in ours if ours[k] != theirs.get(k))
+        if differing:
+            raise ValueError(f"ChunkFT checkpoint of another configuration: {differing} differ; refused")
+        states = {}
+        for key, state in state_dict["state"].items():
+            name, _, chunk = key.rpartition("@")
+            if name not in self._params or not chunk.isdigit() or name not in self._by_name[int(chunk)]:
+                raise ValueError(f"ChunkFT checkpoint has state for {key!r}, which is no (tensor, chunk) here")
+            states[(name, int(chunk))] = {slot: t.clone() for slot, t in state.items()}
+        self._states = states
+        self._t = int(state_dict["position"])
+        self._chunk_steps = [int(s) for s in state_dict["chunk_steps"]]
+        self.param_groups[0]["lr"] = state_dict["lr"]
+        for chunk in range(self.chunks):
+            self._move_state(chunk, torch.device("cpu") if self.state_store == "host" else None)
+
+    def remove(self) -> None:
+        """Give the model back its own forwards and drop ChunkFT's gradient hooks."""
+        for module in self._module_params:
+            module.__dict__.pop("forward", None)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _forward_of(ctl, module):
+    params = ctl._module_params[module]
+
+    def forward(input):
+        active = torch.is_grad_enabled() and any(ctl._params[n].requires_grad for n in params.values())
+        if active:
+            ctl._on_forward(module)
+        if isinstance(module, nn.Linear):
+            if not active:
+                return F.linear(input, module.weight, module.bias)
+            return _LinearFunction.apply(input, module.weight, module.bias, ctl, module)
+        if isinstance(module, nn.Embedding):
+            if not active:
+                return F.embedding(input, module.weight, module.padding_idx, None, module.norm_type,
+                                   module.scale_grad_by_freq, False)
+            return _EmbeddingFunction.apply(input, module.weight, ctl, module)
+        bias = getattr(module, "bias", None)
+        if not active:
+            return _norm(module, input, module.weight, bias)
+        return _NormFunction.apply(input, module.weight, bias, ctl, module)
+    return forward
+
+
+def _state_shape(shape, piece) -> tuple:
+    """The 2-D shape a slice is stepped as: its rows or columns, a 1-D range as one row."""
+    if len(shape) == 1:
+        return (1, piece.stop - piece.start)
+    if piece.dim == 0:
+        return (piece.stop - piece.start, shape[1])
+    return (shape[0], piece.stop - piece.start)
+
+
+def _trainable(model):
+    """(name → Parameter, name → (module, attribute)) of the trainable parameters, in
+    ``named_parameters()`` order; raises naming every one ChunkFT cannot slice."""
+    owner = {}
+    problems = []
+    seen = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad and id(param) in seen:
+            problems.append(f"{name!r} (the same tensor as {seen[id(param)]!r}: tied parameters are not supported)")
+        seen.setdefault(id(param), name)
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            kind = type(module)
+            if kind not in _SUPPORTED:
+                problems.append(f"{name!r} ({kind.__name__}: ChunkFT slices parameters of {_SUPPORTED_NAMES} "
+                                "only, not subclasses)")
+                continue
+            if attr not in _ATTRIBUTES[kind]:
+                problems.append(f"{name!r} (a parameter {kind.__name__} does not have of its own: ChunkFT steps "
+                                f"{' and '.join(_ATTRIBUTES[kind])} only)")
+                continue
+            if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
+                problems.append(f"{name!r} (Embedding with max_norm or sparse=True)")
+                continue
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and len(module.normalized_shape) != 1:
+                problems.append(f"{name!r} ({kind.__name__} over {len(module.normalized_shape)} dims: "
+                                "one normalized dim only)")
+                continue
+            if param.dtype not in (torch.float32, torch.bfloat16):
+                problems.append(f"{name!r} ({param.dtype}: the kernels step float32 or bfloat16 parameters)")
+                continue
+            if not param.is_contiguous():
+                problems.append(f"{name!r} (not contiguous: it is written in place)")
+                continue
+            owner[name] = (module, attr)
+    if problems:
+        raise ValueError("ChunkFT cannot train these parameters: " + "; ".join(problems))
+    params = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    return params, owner

@@ -1,0 +1,309 @@
+"""ChunkFT: refusals, sliced backwards against autograd in float64, forward and dX
+unchanged, the LR scheduler per optimizer step, the host state store."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import forge_kernels as fk
+from forge_kernels.chunkft import sliced
+from forge_verify.checks.chunkft import ChunkProblem
+
+
+def _relative(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+# ----- refusals --------------------------------------------------------------------------
+class _MyLinear(nn.Linear):
+    pass
+
+
+@pytest.mark.parametrize("model, named", [
+    (nn.Sequential(nn.Conv1d(2, 2, 1), nn.Linear(2, 2)), ["'0.weight' (Conv1d", "'0.bias' (Conv1d"]),
+    (nn.Sequential(_MyLinear(2, 2)), ["'0.weight' (_MyLinear"]),
+    (nn.Sequential(nn.Embedding(4, 2, max_norm=1.0)), ["'0.weight' (Embedding with max_norm"]),
+    (nn.Sequential(nn.Linear(2, 2).double()), ["'0.weight' (torch.float64"]),
+    (nn.Sequential(nn.LayerNorm((2, 3))), ["'0.weight' (LayerNorm over 2 dims"]),
+])
+def test_unsupported_trainable_parameters_are_refused_by_name(model, named):
+    with pytest.raises(ValueError, match="ChunkFT cannot train") as error:
+        fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    for text in named:
+        assert text in str(error.value)
+
+
+def test_a_parameter_the_module_does_not_use_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].scale = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="'0.scale' \\(a parameter Linear does not have of its own"):
+        fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+
+
+def test_tied_parameters_are_refused():
+    model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match="tied parameters"):
+        fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+
+
+def test_frozen_unsupported_modules_are_fine():
+    model = nn.Sequential(nn.Conv1d(2, 2, 1).requires_grad_(False), nn.Linear(1, 2))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=2)
+    assert [ctl.chunk_slices(c) for c in range(2)] == [[("1.weight", 0, 0, 2)], [("1.bias", 0, 0, 2)]]
+
+
+def test_misuse_is_refused():
+    model = nn.Sequential(nn.Linear(3, 3))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    x = torch.randn(2, 3)
+    with pytest.raises(TypeError, match="closure"):
+        ctl.step()
+    with pytest.raises(RuntimeError, match="outside ChunkFT.step"):
+        model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="ran twice in one ChunkFT step"):
+        ctl.step(lambda: model(model(x)).sum())
+    with pytest.raises(ValueError, match="empty"):
+        fk.ChunkFT(nn.Sequential(nn.Linear(2, 1, bias=False)), fk.SGD(lr=0.1), chunks=2)
+    outside = nn.Sequential(nn.Linear(3, 3))
+    ctl = fk.ChunkFT(outside, fk.SGD(lr=0.1), chunks=1)
+    with pytest.raises(RuntimeError, match="from a use outside its module"):
+        ctl.step(lambda: (outside(x) + x @ outside[0].weight).sum())
+
+
+def test_checkpoint_of_another_configuration_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4))
+    saved = fk.ChunkFT(model, fk.AdamW(lr=0.1), chunks=2).state_dict()
+    other = fk.ChunkFT(nn.Sequential(nn.Linear(4, 4)), fk.AdamW(lr=0.1), chunks=3)
+    with pytest.raises(ValueError, match=r"another configuration: \['chunks', 'plan'\]"):
+        other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
+def test_one_chunk_is_the_plain_fused_update(state_format):
+    """chunks=1 (the properties' dense step) is fk.fused_weight_update on the whole weight
+    with the tensor's rounding key: bitwise, weight and state."""
+    torch.manual_seed(0)
+    layer = nn.Linear(40, 6, bias=False)
+    weight = layer.weight.detach().clone()
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    ctl = fk.ChunkFT(nn.Sequential(layer), rule, chunks=1, seed=5, state_format=state_format)
+    x = torch.randn(3, 40)
+    dy = torch.randn(3, 6)
+    ctl.step(lambda: (layer(x) * dy).sum())
+    state = rule.init_state(weight, state_format=state_format)
+    fk.fused_weight_update(x, dy, weight, state, rule, 1, seed=fk.chunkft.tensor_seed(5, 0))
+    assert torch.equal(layer.weight.detach().view(torch.int32), weight.view(torch.int32))
+    for key, tensor in ctl.chunk_state(0)["0.weight"].items():
+        assert torch.equal(tensor, state[key]), key
+
+
+# ----- sliced backwards against autograd, float64 -----------------------------------------
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_sliced_embedding_gradient_is_autograds_slice_bitwise(padding_idx, scale_grad_by_freq):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(29, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    indices = torch.randint(0, 29, (4, 11), generator=gen)
+    indices[0, :4] = 3  # the padding row, several times
+    dy = torch.randn(4, 11, 8, dtype=torch.float64, generator=gen)
+    F.embedding(indices, weight, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq).backward(dy)
+    for start, stop in [(0, 29), (0, 1), (3, 4), (2, 17), (17, 29)]:
+        grad = sliced.embedding_weight_grad(indices, dy, start, stop, padding_idx=padding_idx,
+                                            scale_grad_by_freq=scale_grad_by_freq)
+        assert torch.equal(grad, weight.grad[start:stop]), (start, stop)
+    if padding_idx is not None:
+        assert not sliced.embedding_weight_grad(indices, dy, 0, 29, padding_idx=padding_idx)[padding_idx].any()
+
+
+@pytest.mark.parametrize("kind, bias", [("layer_norm", True), ("layer_norm", False), ("rms_norm", False)])
+def test_sliced_norm_gradients_are_autograds_slice_within_1e_12(kind, bias):
+    gen = torch.Generator().manual_seed(1)
+    width = 24
+    x = torch.randn(3, 7, width, dtype=torch.float64, generator=gen) * 3 + 1
+    weight = (torch.randn(width, dtype=torch.float64, generator=gen)).requires_grad_()
+    b = torch.randn(width, dtype=torch.float64, generator=gen).requires_grad_() if bias else None
+    dy = torch.randn(3, 7, width, dtype=torch.float64, generator=gen)
+    eps = 1e-5 if kind == "layer_norm" else None
+    if kind == "layer_norm":
+        F.layer_norm(x, (width,), weight, b, eps).backward(dy)
+    else:
+        F.rms_norm(x, (width,), weight, eps).backward(dy)
+    for start, stop in [(0, width), (0, 1), (5, 13), (23, 24)]:
+        grad = sliced.norm_weight_grad(x, dy, start, stop, kind, eps)
+        assert _relative(grad, weight.grad[start:stop]) <= 1e-12
+        if bias:
+            assert _relative(sliced.bias_grad(dy, start, stop), b.grad[start:stop]) <= 1e-12
+
+
+class _Stack(nn.Module):
+    """Every module kind, float64-free: input features in, so dX can be compared."""
+
+    def __init__(self, norm_bias):
+        super().__init__()
+        self.a = nn.Linear(6, 40)
+        self.norm = nn.LayerNorm(40, bias=norm_bias)
+        self.rms = nn.RMSNorm(40)
+        self.b = nn.Linear(40, 5, bias=False)
+
+    def forward(self, x):
+        return self.b(self.rms(self.norm(self.a(x))))
+
+
+@pytest.mark.parametrize("split", ["rows", "cols"])
+@pytest.mark.parametrize("norm_bias", [True, False])
+def test_forward_and_input_gradient_are_unchanged(split, norm_bias):
+    torch.manual_seed(0)
+    plain = _Stack(norm_bias)
+    chunked = _Stack(norm_bias)
+    chunked.load_state_dict(plain.state_dict())
+    ctl = fk.ChunkFT(chunked, fk.AdamW(lr=1e-3), chunks=3, split=split)
+    x = torch.randn(2, 3, 6)
+    x_plain, x_chunked = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = plain(x_plain)
+    out.square().sum().backward()
+    seen = []
+    ctl.step(lambda: seen.append(chunked(x_chunked)) or seen[-1].square().sum())
+    assert torch.equal(seen[0], out)
+    assert torch.equal(x_chunked.grad, x_plain.grad)
+    assert all(p.grad is None for p in chunked.parameters())
+
+
+# ----- learning rate, state store ---------------------------------------------------------
+def test_lr_scheduler_drives_the_rule_per_optimizer_step():
+    problem = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=0)
+    model = problem.model()
+    rule = fk.SGD(lr=0.1)
+    ctl = fk.ChunkFT(model, rule, chunks=3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(ctl, lambda t: 0.5 ** t)
+    seen = []
+    for tokens, targets in problem.batches(5):
+        ctl.step(lambda: seen.append(rule.lr) or F.cross_entropy(model(tokens).reshape(-1, 5), targets.reshape(-1)))
+        scheduler.step()
+    assert seen == [0.1 * 0.5 ** t for t in range(5)]
+
+
+def test_host_state_store_gives_the_device_stores_bits():
+    problem = ChunkProblem(vocab=6, width=5, hidden=7, batch=1, length=3, seed=2)
+    runs = []
+    for store in ("device", "host"):
+        model = problem.model()
+        ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), chunks=2, state_store=store)
+        for tokens, targets in problem.batches(5):
+            ctl.step(lambda: F.cross_entropy(model(tokens).reshape(-1, 6), targets.reshape(-1)))
+        runs.append([p.detach().clone() for p in model.parameters()])
+        inactive = ctl.chunk_state(1 - ctl.active_chunk)
+        assert all(t.device.type == "cpu" for s in inactive.values() for t in s.values())
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_remove_gives_the_model_its_forwards_back():
+    model = nn.Sequential(nn.Linear(3, 3))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    ctl.remove()
+    model(torch.randn(2, 3)).sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_descent_check_fails_a_step_too_long():
+    """The descent property's control: on orthogonal inputs (every direction a top
+    eigenvector, the lemma tight) lr = 1.2/L_c leaves f above the lemma's bound."""
+    from forge_verify.checks import chunkft
+    gen = torch.Generator().manual_seed(3)
+    x = torch.linalg.qr(torch.randn(16, 8, generator=gen, dtype=torch.float64))[0].float() * 2
+    y, w0 = torch.randn(16, 6, generator=gen), torch.randn(6, 8, generator=gen)
+    for split in ("rows", "cols"):
+        assert chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3) <= 1
+        with pytest.raises(AssertionError, match="above the descent bound"):
+            chunkft.sgd_chunk_step_descends(x, y, w0, 3, split, steps=3, lr_factor=1.2)
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## ChunkFT: full-parameter fine-tuning over a rotating working set", 1)[1]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    problem = ChunkProblem(vocab=7, width=6, hidden=5, batch=2, length=3, seed=4)
+    model = problem.model()
+    monkeypatch.chdir(tmp_path)  # it saves a checkpoint
+    names = {"model": model, "batches": problem.batches(3),
+             "loss_fn": lambda logits, targets: F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))}
+    exec(compile(source, "README.md", "exec"), names)
+    assert names["ctl"].chunk_steps == (1, 1, 1, 0, 0, 0, 0, 0)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert saved["chunkft"]["position"] == 3
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("padding_idx, scale_grad_by_freq", [(None, False), (2, False), (2, True)])
+def test_embedding_step_is_the_rule_on_autograds_gradient(padding_idx, scale_grad_by_freq):
+    """Model level: what ChunkFT's Embedding backward feeds the rule is autograd's gradient
+    (fp32, bitwise): the padding row and the frequency scaling reach the update."""
+    torch.manual_seed(1)
+    embedding = nn.Embedding(9, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    plain = nn.Embedding(9, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    plain.load_state_dict(embedding.state_dict())
+    tokens = torch.tensor([[2, 2, 5, 1, 2, 7]])
+    dy = torch.randn(1, 6, 4)
+    rule = fk.SGD(lr=0.5)
+    ctl = fk.ChunkFT(_Wrap(embedding), rule, chunks=1)
+    ctl.step(lambda: (embedding(tokens) * dy).sum())
+    (plain(tokens) * dy).sum().backward()
+    expected = plain.weight.detach().clone()
+    fk.apply_rule(plain.weight.grad, expected, rule.init_state(expected), rule, 1,
+                  seed=fk.chunkft.tensor_seed(0, 0))
+    assert torch.equal(embedding.weight.detach(), expected)
+    if padding_idx is not None:
+        assert torch.equal(embedding.weight.detach()[padding_idx], plain.weight.detach()[padding_idx])
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(12), lambda: nn.LayerNorm(12, bias=False),
+                                  lambda: nn.RMSNorm(12), lambda: nn.RMSNorm(12, eps=1e-3),
+                                  lambda: nn.Linear(5, 12)], ids=["ln", "ln-nobias", "rms", "rms-eps", "linear"])
+def test_norm_and_bias_steps_follow_autograds_gradient(make):
+    """Model level: an SGD step of each norm (and a Linear's bias) moves its parameters by
+    lr times autograd's gradient, to fp32 accuracy (a norm stepped with another norm's
+    mathematics, the anchor's RMSNorm defect, is off by its whole gradient)."""
+    torch.manual_seed(2)
+    module, plain = make(), make()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    plain.load_state_dict(module.state_dict())
+    x = torch.randn(4, 3, module.weight.shape[1] if isinstance(module, nn.Linear) else 12) * 2 + 0.5
+    dy = torch.randn(4, 3, 12)
+    ctl = fk.ChunkFT(_Wrap(module), fk.SGD(lr=0.25), chunks=1)
+    ctl.step(lambda: (module(x) * dy).sum())
+    (plain(x) * dy).sum().backward()
+    for (name, p), q in zip(module.named_parameters(), plain.parameters()):
+        step = (q.detach() - p.detach()).double() / 0.25
+        assert _relative(step, q.grad.double()) < 1e-5, name
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "q8"])
+def test_state_is_made_on_first_visit_and_sized_to_the_chunks_slices(state_format):
+    """Optimizer memory follows the chunk: no state before a chunk's first visit, and a
+    visited chunk's state holds its slices' elements only (per slot)."""
+    problem = ChunkProblem(vocab=6, width=40, hidden=36, batch=1, length=2, seed=3)
+    model = problem.model()
+    ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-3), chunks=3, split="cols", state_format=state_format)
+    assert all(not ctl.chunk_state(c) for c in range(3))
+    tokens, targets = problem.batches(1)[0]
+    ctl.step(lambda: F.cross_entropy(model(tokens).reshape(-1, 6), targets.reshape(-1)))
+    assert all(not ctl.chunk_state(c) for c in range(1, 3))
+    params = dict(model.named_parameters())
+    for name, dim, start, stop in ctl.chunk_slices(0):
+        shape = list(params[name].shape)
+        shape[dim] = stop - start
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert ctl.chunk_state(0)[name][slot].numel() == torch.Size(shape).numel()
