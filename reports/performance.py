@@ -61,7 +61,7 @@ if rows:
     show_table(["gpu", "n × k", "regime", "tokens", "method", "median ms", "min ms", "max ms", "extra MiB",
                 "floor ms"],
                [[r["gpu"], f"{r['n']}×{r['k']}", r["regime"], r["tokens"], r["method"], f"{r['median_ms']:.4g}",
-                 f"{r['min_ms']:.4g}", f"{r['max_ms']:.4g}", f"{r['peak_bytes'] / 2**20:.1f}",
+                 f"{r['min_ms']:.4g}", f"{r['max_ms']:.4g}", "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}",
                  (lambda f: "-" if f is None else f"{f:.4g}")(row_floor_ms(r))]
                 for r in sorted(rows, key=lambda r: (r["gpu"], r["n"], r["k"], r["regime"], r["tokens"],
                                                      r["method"]))])

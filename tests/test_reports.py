@@ -25,14 +25,16 @@ def _write_results(path, rows):
 
 
 def _sample_rows():
-    """A made-up sample (not a measurement): two methods at three token counts."""
+    """A made-up sample (not a measurement): three methods at three token counts; the
+    captured one records no extra memory (an empty cell), as the benchmark writes it."""
     rows = []
-    for method, scale in (("forge", 1.0), ("pytorch", 1.5)):
+    for method, scale in (("forge", 1.0), ("pytorch", 1.5), ("forge captured", 0.9)):
         for tokens in (256, 1024, 4096):
             median = scale * (0.1 + tokens / 10_000)
+            peak = "" if method.endswith("captured") else int(scale * 2**30) + tokens
             rows.append(dict(gpu="NVIDIA H200", torch="2.11.0", triton="3.6.0", commit="abc1234", n=4096, k=4096,
                              tokens=tokens, regime="bf16 weight, bf16 state", method=method, median_ms=median,
-                             min_ms=0.9 * median, max_ms=1.2 * median, peak_bytes=int(scale * 2**30) + tokens))
+                             min_ms=0.9 * median, max_ms=1.2 * median, peak_bytes=peak))
     return rows
 
 
@@ -47,7 +49,7 @@ def test_performance_report_plots_recorded_results(tmp_path):
     figures = [p for p in written if p.suffix == ".png"]
     assert len(figures) == 2  # time and memory
     outputs = _outputs(tmp_path / "out" / "performance.ipynb")
-    assert "6 rows from 1 file(s)" in outputs and "No benchmark results" not in outputs
+    assert "9 rows from 1 file(s)" in outputs and "No benchmark results" not in outputs
     assert (tmp_path / "out" / "performance.html").stat().st_size > 0
 
 
