@@ -20,20 +20,33 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
     The token loop runs in one fixed order, so each element's reduction order depends
     on BLOCK_T and the backend, never on which path (fused or oracle) runs it.
     Compiled, the accumulator is threaded through ``tl.dot`` (never ``acc += dot``).
-    Interpreted, ``tl.dot`` would be a numpy matmul, whose BLAS rounds an element's
-    sum differently by its place in the block and by CPU; the block is instead summed
-    by ``_token_block_sum`` in a fixed order that no library chooses.
+    Interpreted, ``tl.dot`` would be a numpy matmul, whose BLAS rounds an element's sum
+    differently by its place in the block and by CPU; instead each block is summed here,
+    sum over t of dy[t, n] * x[t, k]: each product rounded to fp32 (exact for bf16
+    operands), added left to right in token order from the first, every addition
+    rounded once. Element (n, k) then reads only column n of dy and column k of x: no
+    BLAS, no dependence on its place in the tile, BLOCK_N, BLOCK_K, the CPU or the thread
+    count (proofs/interpreter_reduction.md). The running sums are a cumulative sum along
+    the token axis (numpy's add.accumulate: each prefix is the previous one plus the next
+    term); the last prefix is picked by a sum in which every other term is +0, exact in
+    any order. Written inline: every interpreted call of a jitted helper costs about a
+    millisecond.
     """
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    last = (tl.arange(0, BLOCK_T) == BLOCK_T - 1)[:, None, None]
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         if INTERPRETED:
             dy_rows = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_n[None, :] * stride_dyn,
-                              mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-            x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                             mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-            acc = acc + _token_block_sum(dy_rows, x_tile, BLOCK_T)
+                              mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            x_rows = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                             mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            # tl.cumsum and tl.sum, called through their builtins: the jitted wrappers cost
+            # the interpreter ~1 ms each per call; the sum combine is the interpreter's
+            # numpy cumsum / sum.
+            prefixes = tl.associative_scan(dy_rows[:, :, None] * x_rows[:, None, :], 0, tl.standard._sum_combine)
+            acc = acc + tl.reduce(tl.where(last, prefixes, 0.0), 0, tl.standard._sum_combine)
         else:
             dy_tile = tl.load(dy_ptr + offs_n[:, None] * stride_dyn + offs_t[None, :] * stride_dyt,
                               mask=mask_n[:, None] & mask_t[None, :], other=0.0)
@@ -42,25 +55,6 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
             # "ieee": full fp32 products on GPU rather than TF32 (ignored for bf16 operands).
             acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _token_block_sum(dy_rows, x_rows, BLOCK_T: tl.constexpr):
-    """sum over t of dy_rows[t, n] * x_rows[t, k], for the interpreter: each product
-    rounded to fp32 (exact for bf16 operands), then added left to right in token order
-    starting from the first, every addition rounded once.
-
-    The sequence of operations of element (n, k) reads only column n of dy and column k
-    of x: no BLAS, no dependence on where the element sits in the tile, on BLOCK_N or
-    BLOCK_K, on the CPU or on the thread count (proofs/interpreter_reduction.md). The
-    running sums are a cumulative sum along the token axis (numpy's add.accumulate: by
-    definition each prefix is the previous one plus the next term); the last prefix is
-    then picked by a sum in which every other term is +0, exact in any order.
-    """
-    products = dy_rows.to(tl.float32)[:, :, None] * x_rows.to(tl.float32)[:, None, :]
-    prefixes = tl.cumsum(products, axis=0)
-    last = (tl.arange(0, BLOCK_T) == BLOCK_T - 1)[:, None, None]
-    return tl.sum(tl.where(last, prefixes, 0.0), axis=0)
 
 
 @triton.jit
