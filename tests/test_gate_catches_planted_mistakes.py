@@ -57,7 +57,11 @@ MISTAKES = [
             "counter = ((offs_n + row0).to(tl.int64)[:, None] * global_k + (offs_k + col0)[None, :]).to(tl.uint32)",
             "counter = (tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]).to(tl.uint32)",
             ("regime 'fp32 weight, q8 state, stochastic'", "bits changed"),
-            ("properties/test_tile_invariance.py", "-k", "equivalent_configs and adamw")),
+            # The tile-invariance property found it on the CPU, but its GPU draws (other
+            # BLOCK_T choices) held no q8-stochastic pair of tile shapes: it passed there
+            # (H200, 2026-12-01). The code-for-code q8 test compares every element's code
+            # with the host encoding at its global index, on every backend.
+            ("tests/test_q8.py", "-k", "host_encoding_of_the_fp32_step and stochastic")),
     Mistake("bias correction applied twice", "rules/adamw.py",
             "denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps",
             "denom = tl.div_rn(tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt), bias_correction2_sqrt) + eps",
