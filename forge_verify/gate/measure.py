@@ -48,9 +48,8 @@ def fingerprint(t: torch.Tensor) -> dict:
 def _enclosure_statistics(enclosures: dict, values: dict) -> dict:
     outside, use = 0, 0.0
     for name, enclosure in enclosures.items():
-        value = values[name].detach().cpu().double()
-        outside += int((~enclosure.contains(value)).sum())
-        use = max(use, enclosure.use(value))
+        outside += int((~enclosure.contains(values[name].detach().cpu())).sum())
+        use = max(use, enclosure.use(values[name]))
     return {"outside_enclosure": outside, "enclosure_use": use}
 
 
