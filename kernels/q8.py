@@ -49,13 +49,18 @@ MIN_EXPONENT, MAX_EXPONENT = -126, 126
 RANDOM_BITS = 24
 
 
+def octave(per_octave: int) -> np.ndarray:
+    """fp32 2**(-r / per_octave) for r = 0 .. per_octave-1: one octave of levels, each
+    rounded to fp32 once."""
+    return (2.0 ** (-np.arange(per_octave) / per_octave)).astype(np.float32)
+
+
 def _powers(count: int, per_octave: int) -> np.ndarray:
     """fp32 2**(-j / per_octave) for j = 0 .. count-1, built from one octave of fp32
     roundings scaled by exact powers of two, so that level j + per_octave is level j / 2
     exactly (fp32 rounding commutes with power-of-two scaling of normal numbers)."""
-    octave = (2.0 ** (-np.arange(per_octave) / per_octave)).astype(np.float32)
     j = np.arange(count)
-    return np.ldexp(octave[j % per_octave], -(j // per_octave)).astype(np.float32)
+    return np.ldexp(octave(per_octave)[j % per_octave], -(j // per_octave)).astype(np.float32)
 
 
 def _levels(signed: bool) -> np.ndarray:
@@ -71,17 +76,25 @@ def _levels(signed: bool) -> np.ndarray:
 
 SIGNED_LEVELS = _levels(signed=True)
 UNSIGNED_LEVELS = _levels(signed=False)
-#: (2, 256) fp32: the signed levels, then the unsigned levels, each ascending.
-TABLE = np.stack([SIGNED_LEVELS, UNSIGNED_LEVELS])
+
+
+#: Where each map's octave starts in the kernels' table (``table``): signed, then unsigned.
+OCTAVE_TABLE_OFFSETS = {True: 0, False: 8}
 
 
 @functools.lru_cache(maxsize=None)
 def _table_on(device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(TABLE.copy()).to(device)
+    octaves = np.zeros(16, dtype=np.float32)
+    for signed, per_octave in ((True, SIGNED_LEVELS_PER_OCTAVE), (False, UNSIGNED_LEVELS_PER_OCTAVE)):
+        offset = OCTAVE_TABLE_OFFSETS[signed]
+        octaves[offset:offset + per_octave] = octave(per_octave)
+    return torch.from_numpy(octaves).to(device)
 
 
 def table(device) -> torch.Tensor:
-    """The level table on ``device``, copied there once (not a host-to-device copy per step)."""
+    """The kernels' table on ``device``, copied there once (not a host-to-device copy per
+    step): 16 fp32, each map's octave (``octave``) at its ``OCTAVE_TABLE_OFFSETS``. A
+    kernel builds level j as octave[j % P] * 2**-(j // P), as ``_powers`` does."""
     return _table_on(torch.device(device))
 
 

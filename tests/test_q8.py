@@ -13,7 +13,7 @@ from torch import nn
 
 import forge_kernels as fk
 from forge_kernels import q8
-from forge_kernels.ops.q8_codec import q8_encode
+from forge_kernels.ops.q8_codec import q8_decode, q8_encode
 from forge_kernels.ops.stochastic_round import stream_seed
 from forge_verify import assert_bitwise_equal
 from forge_verify.checks.claims import decoded_state
@@ -168,7 +168,10 @@ def _boundary_values(signed: bool) -> torch.Tensor:
     up = torch.nextafter(levels, torch.tensor(2.0))
     down = torch.nextafter(levels, torch.tensor(-2.0))
     mids = ((levels[:-1].double() + levels[1:].double()) / 2).float()
-    values = torch.cat([levels, up, down, mids, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    # Below the smallest level: half of it, a tiny normal and a subnormal (whose exponent
+    # field is 0), each with both signs.
+    tiny = torch.tensor([levels[levels > 0].min() / 2, 1e-30, 1e-40])
+    values = torch.cat([levels, up, down, mids, torch.tensor([0.0, -0.0]), tiny, -tiny])
     values = values[(values >= (-1.0 if signed else 0.0)) & (values <= 1.0)]
     rows = -(-values.numel() // 31)
     rows = 1 << (rows - 1).bit_length()                 # a power of two, as tl.arange needs
@@ -181,9 +184,11 @@ def _boundary_values(signed: bool) -> torch.Tensor:
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, rounding, device):
-    """The kernel finds the bracketing levels from a log2 estimate corrected by table
-    comparisons; at each level, its fp32 neighbours and the midpoints it must still give
-    the host reference's code (which uses a plain sorted search)."""
+    """The kernel finds the bracketing levels from the value's fp32 bits (octave from the
+    exponent, place in it by mantissa comparisons) and builds them from a one-octave
+    table; at each level, its fp32 neighbours, the midpoints and below the smallest level
+    it must still give the host reference's code (which uses a plain sorted search of the
+    256 levels)."""
     values = _boundary_values(signed)
     rows, seed = values.shape[0], 99
     codes = torch.empty(values.shape, dtype=torch.uint8, device=device)
@@ -195,6 +200,28 @@ def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, roundin
     expected_codes, expected_exponents = q8.encode(values, signed=signed, random_words=words)
     assert_bitwise_equal(codes.cpu(), expected_codes, "codes")
     assert_bitwise_equal(exponents.cpu(), expected_exponents.reshape(-1), "exponents")
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, exp_ptr, table_ptr, out_ptr, SIGNED: tl.constexpr, ROWS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * 256 + tl.arange(0, 256)[None, :]
+    rows = tl.arange(0, ROWS)[:, None] * 8 + (tl.arange(0, 256) // 32)[None, :]
+    tl.store(out_ptr + offs, q8_decode(codes_ptr, exp_ptr, table_ptr, offs, rows, offs >= 0, SIGNED))
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_decodes_every_code_as_the_host(signed, device):
+    """Every one of the 256 codes under the extreme and middle block exponents decodes in
+    the kernel (a one-octave table times powers of two) to the host's level table value."""
+    exponents = torch.tensor([q8.MIN_EXPONENT, -1, 0, 5, q8.MAX_EXPONENT], dtype=torch.int8)
+    rows = 8
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(rows, 1)
+    block_exponents = exponents[torch.arange(rows * 8) % exponents.numel()].reshape(rows, 8)
+    out = torch.empty(rows, 256, device=device)
+    _decode_kernel[(1,)](codes.to(device), block_exponents.to(device), q8.table(device), out, SIGNED=signed,
+                         ROWS=rows)
+    assert_bitwise_equal(out.cpu(), q8.decode(codes, block_exponents, signed=signed), "decoded levels")
 
 
 @pytest.mark.parametrize("rule", [fk.AdamW(), fk.Adagrad(initial_accumulator_value=0.1)], ids=repr)
