@@ -7,6 +7,7 @@ outcome and the examples and deviations the properties reported through
 """
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import forge_kernels as fk
 
 from ..checks import observations
+from . import check_recorder
 from ..checks.tables import render_table
 from ..checks.torch_optim import measure
 
@@ -31,41 +33,25 @@ def properties_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "properties"
 
 
-#: hypothesis's phases whose examples count as checked (shrinking only re-runs them)
-_COUNTED_PHASES = ("explicit", "reuse", "generate")
 #: the table's widths: it must read at 100 columns (the full ids go to the details file)
 _WIDTH = {"property": 28, "case": 14, "verdict": 16}
-
-
-def _examples_run(statistics: dict) -> int:
-    """Examples hypothesis ran to completion (passing or failing), from the statistics it
-    hands its collector (``hypothesis.statistics``; tests/test_check_report.py notices if
-    that format changes)."""
-    return sum(1 for phase in _COUNTED_PHASES for case in statistics.get(f"{phase}-phase", {}).get("test-cases", ())
-               if case["status"] in ("valid", "interesting"))
+#: the plugin that records examples and observations where each test runs
+RECORDER = "forge_verify.commands.check_recorder"
 
 
 class _Collector:
-    """Each test's outcome, skip reason, and, for a hypothesis property, how many
-    examples it ran."""
+    """Each test's outcome, skip reason, and (from the reports ``check_recorder``
+    annotated) how many examples a hypothesis property ran and what it observed."""
 
     def __init__(self):
-        self.rows, self.reasons, self.examples = {}, {}, {}
-
-    @pytest.hookimpl(hookwrapper=True, trylast=True)
-    def pytest_runtest_call(self, item):
-        from hypothesis.statistics import collector
-        outer = collector.value
-
-        def note(statistics):
-            self.examples[item.nodeid] = _examples_run(statistics)
-            if outer is not None:
-                outer(statistics)
-
-        with collector.with_value(note):
-            yield
+        self.rows, self.reasons, self.examples, self.observed = {}, {}, {}, {}
 
     def pytest_runtest_logreport(self, report):
+        for key, value in report.user_properties:
+            if key == check_recorder.EXAMPLES:
+                self.examples[report.nodeid] = value
+            elif key == check_recorder.OBSERVED:
+                self.observed[report.nodeid] = [tuple(seen) for seen in value]
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             self.rows[report.nodeid] = "skipped" if report.skipped else report.outcome
             if report.skipped and isinstance(report.longrepr, tuple):
@@ -107,7 +93,7 @@ def verdicts(collector) -> list:
         else:
             verdict = outcome.upper()
         count = "1 case" if examples is None else str(examples)
-        out.append((nodeid, prop, case, count, verdict, _worst(observations.observed(nodeid))))
+        out.append((nodeid, prop, case, count, verdict, _worst(collector.observed.get(nodeid, ()))))
     return out
 
 
@@ -133,24 +119,46 @@ def format_torch_optim_table(rows) -> str:
 DETAILS = "build/forge-verify-check.txt"
 
 
-def run_check(marker: str = "not slow", extra_args=(), details_path=DETAILS) -> int:
+def default_workers() -> int:
+    """Processes to run the properties in: one per usable core (the interpreter is
+    single-threaded Python; compiled, each worker compiles its own kernels), at most 8 on
+    a GPU machine, where every worker also holds a CUDA context."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores if fk.interpreting() else min(cores, 8)
+
+
+def _parallel_args(workers: int) -> list:
+    """pytest-xdist's arguments for ``workers`` processes, or none (one process)."""
+    if workers <= 1:
+        return []
+    if importlib.util.find_spec("xdist") is None:
+        print(f"forge-verify check: pytest-xdist is not installed, so one process runs what {workers} would")
+        return []
+    return ["-n", str(workers)]
+
+
+def run_check(marker: str = "not slow", extra_args=(), details_path=DETAILS, workers=None) -> int:
     properties = properties_dir()
     if not properties.is_dir():
         print(f"forge-verify check: no properties at {properties}: the installation is incomplete",
               file=sys.stderr)
         return 2
+    workers = default_workers() if workers is None else workers
+    parallel = _parallel_args(workers)
     print(f"forge-verify check: the properties in {properties}, on "
-          f"{'the Triton interpreter (CPU)' if fk.interpreting() else 'the GPU'}")
-    observations.clear()
+          f"{'the Triton interpreter (CPU)' if fk.interpreting() else 'the GPU'}, "
+          f"{parallel[1] if parallel else 1} process(es)")
     collector = _Collector()
     # -v with the count style names each property as it starts ("[12/140] ...::test_x
-    # [adamw]"), so a long one is seen running; the plugin brings markers and fixtures
-    # where no conftest is (an installed package). hypothesis is already imported here (the
-    # catalog's strategies), so pytest cannot rewrite its asserts, and says so: not ours to fix.
-    args = [str(properties), "-m", marker, "-p", "forge_verify.pytest_plugin", "-p", "no:cacheprovider",
+    # [adamw]"), so a long one is seen running; with several processes, each as it ends
+    # ("[gw1] [ 12%] PASSED ..."). The plugin brings markers and fixtures where no conftest
+    # is (an installed package). hypothesis is already imported here (the catalog's
+    # strategies), so pytest cannot rewrite its asserts, and says so: not ours to fix.
+    args = [str(properties), "-m", marker, "-p", "forge_verify.pytest_plugin", "-p", RECORDER,
+            "-p", "no:cacheprovider",
             "-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning",
             "--strict-markers", "-o", "xfail_strict=true", "-v", "-o", "console_output_style=count",
-            f"--rootdir={properties.parent}", *extra_args]
+            f"--rootdir={properties.parent}", *parallel, *extra_args]
     code = pytest.main(args, plugins=[collector])
     rows = verdicts(collector)
     print()

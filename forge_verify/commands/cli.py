@@ -28,6 +28,9 @@ def main(argv=None) -> int:
     check.add_argument("--profile", default=None,
                        help=f"hypothesis profile (dev, ci, nightly); default: ${PROFILE_VARIABLE} or ci")
     check.add_argument("-k", dest="keyword", default=None, help="only properties matching this pytest -k expression")
+    check.add_argument("-n", "--workers", type=int, default=None,
+                       help="processes to run the properties in (pytest-xdist; default: one per core, at most 8 "
+                            "on a GPU machine; 1 runs them in this process)")
     check.add_argument("--details", default=DETAILS,
                        help=f"file for every test's full id, case and verdict (default {DETAILS})")
     deviation = commands.add_parser("deviation", help="measure each storage regime's drift from the exact "
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
         # The main job is deterministic unless asked otherwise.
         os.environ[PROFILE_VARIABLE] = args.profile or os.environ.get(PROFILE_VARIABLE, "ci")
         extra = ["-k", args.keyword] if args.keyword else []
-        return run_check(extra_args=extra, details_path=args.details)
+        return run_check(extra_args=extra, details_path=args.details, workers=args.workers)
     if args.command == "deviation":
         checkpoints = tuple(int(s) for s in args.steps.split(","))
         rule = copy.copy(DEVIATION_RULES[args.rule])
