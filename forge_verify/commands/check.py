@@ -134,7 +134,9 @@ def _parallel_args(workers: int) -> list:
     if importlib.util.find_spec("xdist") is None:
         print(f"forge-verify check: pytest-xdist is not installed, so one process runs what {workers} would")
         return []
-    return ["-n", str(workers)]
+    # pytest-benchmark (where installed) refuses to run beside xdist, as an error under
+    # this project's warning filters: the properties time nothing, so it stays out.
+    return ["-n", str(workers), "-p", "no:benchmark"]
 
 
 def run_check(marker: str = "not slow", extra_args=(), details_path=DETAILS, workers=None) -> int:
@@ -147,7 +149,7 @@ def run_check(marker: str = "not slow", extra_args=(), details_path=DETAILS, wor
     parallel = _parallel_args(workers)
     print(f"forge-verify check: the properties in {properties}, on "
           f"{'the Triton interpreter (CPU)' if fk.interpreting() else 'the GPU'}, "
-          f"{parallel[1] if parallel else 1} process(es)")
+          f"{workers if parallel else 1} process(es)")
     collector = _Collector()
     # -v with the count style names each property as it starts ("[12/140] ...::test_x
     # [adamw]"), so a long one is seen running; with several processes, each as it ends
