@@ -12,7 +12,16 @@ keeps bf16 state) and ``fp32-master`` (fp32 weights under bf16 autocast; fp32 st
 Methods: ``torch``; ``forge`` (each fused layer reads its outcome once in its backward,
 ``report="raise"``, the default); ``forge deferred`` (``report="defer"``: no layer
 synchronizes, and ``fk.check_updates(model)`` reads every layer's outcome once at the
-end of the step, as ``fk.Trainer`` does).
+end of the step, as ``fk.Trainer`` does); ``forge captured`` (the whole step, forward,
+backward with the fused updates and the norms' torch AdamW, in one CUDA graph through
+``fk.CapturedStep``, every layer's outcome read once per step); ``torch captured`` (the
+same step in one CUDA graph, ``AdamW(fused=True, capturable=True)``, as torch documents
+whole-network capture). Variant ``q8`` (bf16 weights, 8-bit FORGE state; torch keeps
+bf16 state: its rows are the ``bf16`` variant's torch rows) exists for the memory runs.
+
+``--fit-under GB`` instead finds, per variant and method, the largest micro-batch of
+``--tokens`` sequences whose step fits under that cap
+(``torch.cuda.set_per_process_memory_fraction``), by doubling then bisection.
 Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
 forward, backward and optimizer); peak is ``torch.cuda.max_memory_allocated`` over the
 timed steps. Writes a CSV and prints a table.
@@ -56,13 +65,13 @@ class Block(nn.Module):
         self.down = nn.Linear(MLP, HIDDEN, bias=False)
 
     def forward(self, x):
-        t = x.shape[1]
+        b, t = x.shape[:2]
         h = self.attn_norm(x)
-        q = self.q(h).view(1, t, HEADS, -1).transpose(1, 2)
-        k = self.k(h).view(1, t, KV_HEADS, -1).transpose(1, 2)
-        v = self.v(h).view(1, t, KV_HEADS, -1).transpose(1, 2)
+        q = self.q(h).view(b, t, HEADS, -1).transpose(1, 2)
+        k = self.k(h).view(b, t, KV_HEADS, -1).transpose(1, 2)
+        v = self.v(h).view(b, t, KV_HEADS, -1).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.o(a.transpose(1, 2).reshape(1, t, HIDDEN))
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, HIDDEN))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -77,30 +86,90 @@ def build(layers, dtype, seed=0):
     return model.to(dtype)
 
 
-def variant(name, method, layers, tokens, configs):
-    dtype = torch.bfloat16 if name == "bf16" else torch.float32
+def variant(name, method, layers, tokens, configs, batch=1):
+    dtype = torch.float32 if name == "fp32-master" else torch.bfloat16
     model = build(layers, dtype)
-    deferred = method == "forge deferred"
+    deferred = method in ("forge deferred", "forge captured")
     if method.startswith("forge"):
-        regime = "bf16-sr" if name == "bf16" else "fp32"
-        config = tuned_config(configs, regime, tokens) if configs else fk.PINNED
-        fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format="bf16" if name == "bf16" else "fp32",
+        regime = {"bf16": "bf16-sr", "fp32-master": "fp32", "q8": "q8"}[name]
+        config = tuned_config(configs, regime, tokens * batch) if configs else fk.PINNED
+        fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format={"bf16": "bf16", "q8": "q8"}.get(name, "fp32"),
                 config=config, seed=1, report="defer" if deferred else "raise")
         others = fk.unfused_parameters(model)
     else:
         others = list(model.parameters())
-    optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True)
-    x = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    captured = method.endswith("captured")
+    optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True, capturable=captured)
+    x = torch.randn(batch, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def step_fn():
+        optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "fp32-master"):
-            loss = model(x.to(dtype) if name == "bf16" else x).float().square().mean()
+            loss = model(x.to(dtype) if dtype == torch.bfloat16 else x).float().square().mean()
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if method == "forge captured":
+        return model, fk.CapturedStep(model, step_fn)
+    if method == "torch captured":
+        return model, torch_graph(step_fn)
+
+    def step():
+        step_fn()
         if deferred:
             fk.check_updates(model)
     return model, step
+
+
+def torch_graph(step_fn, warmup=1):
+    """``step_fn`` as torch documents whole-network capture: eager warm-up steps on a side
+    stream, then one capture; every later call replays it."""
+    state = {}
+
+    def step():
+        if state.get("left", warmup):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step_fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            state["left"] = state.get("left", warmup) - 1
+            return
+        if "graph" not in state:
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                step_fn()
+        state["graph"].replay()
+    return step
+
+
+def fits(name, method, layers, tokens, configs, batch) -> bool:
+    """Whether ``batch`` sequences of ``tokens`` take two steps (the first makes torch's
+    optimizer state) under the process's memory cap."""
+    model = step = None
+    try:
+        model, step = variant(name, method, layers, tokens, configs, batch)
+        step()
+        step()
+        torch.cuda.synchronize()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        del model, step
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def largest_batch(name, method, layers, tokens, configs, limit=256) -> int:
+    low, high = 0, 1
+    while high <= limit and fits(name, method, layers, tokens, configs, high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(name, method, layers, tokens, configs, middle) else (low, middle)
+    return low
 
 
 def measure(step, warmup, steps):
@@ -126,6 +195,10 @@ def main(argv=None):
     parser.add_argument("--tokens", default="512,4096")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--variants", default="bf16,fp32-master")
+    parser.add_argument("--methods", default="torch,forge,forge deferred")
+    parser.add_argument("--fit-under", type=float, default=None, metavar="GB",
+                        help="find the largest micro-batch under this memory cap instead of timing")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_model.py measures on a GPU; none is visible here")
@@ -134,9 +207,22 @@ def main(argv=None):
             "triton": __import__("triton").__version__, "commit": os.environ.get("FORGE_COMMIT", "unknown"),
             "layers": args.layers}
     rows = []
+    methods = args.methods.split(",")
+    if args.fit_under is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.fit_under * 1e9 / total)
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for name in ("bf16", "fp32-master"):
-            for method in ("torch", "forge", "forge deferred"):
+        for name in args.variants.split(","):
+            for method in methods:
+                if name == "q8" and not method.startswith("forge"):
+                    continue  # torch has no q8 state: the bf16 variant's torch rows are the comparison
+                if args.fit_under is not None:
+                    batch = largest_batch(name, method, args.layers, tokens, configs)
+                    rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
+                                 "cap_gb": args.fit_under, "largest_batch": batch})
+                    print(f"T={tokens:5d} {name:11s} {method:14s} largest micro-batch under {args.fit_under:g} GB: "
+                          f"{batch}", flush=True)
+                    continue
                 model, step = variant(name, method, args.layers, tokens, configs)
                 median, low, high, peak = measure(step, args.warmup, args.steps)
                 rows.append({**meta, "tokens": tokens, "variant": name, "method": method, "median_ms": f"{median:.3f}",

@@ -8,6 +8,7 @@ from . import _backend  # noqa: F401  (must run before any @triton.jit below)
 from . import q8
 from . import communication as gift
 from ._backend import interpreting, kernel_device
+from .capture import CapturedStep
 from .chunkft import ChunkFT
 from .config import PINNED, TileConfig
 from .errors import NoStepWarning, NonFiniteInputError, NonFiniteLossError, NonFiniteUpdateError
@@ -26,7 +27,7 @@ __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "stochastic_round", "StepScalars",
     "ForgeLinear", "ForgeLinearFunction", "fuse", "check_updates", "Trainer", "fused_layers", "unfused_parameters",
-    "WeightSlice", "UpdateReport", "ChunkFT",
+    "WeightSlice", "UpdateReport", "ChunkFT", "CapturedStep",
     "NonFiniteInputError", "NonFiniteUpdateError", "interpreting", "kernel_device", "q8", "gift",
     "GRZO", "MeZO", "ZerothOrderStep", "NonFiniteLossError", "NoStepWarning",
 ]

@@ -184,6 +184,8 @@ class ForgeLinear(nn.Linear):
         # A training driver (forge_kernels.training) may take over what the backward does
         # with (x, dY): ``forge_backward(layer, x2d, dy2d)`` replaces the plain step.
         self.forge_backward = None
+        # The CapturedStep (forge_kernels.capture) whose graph takes this layer's steps, if any.
+        self.forge_owner = None
         # The fused path returns no weight gradient; any gradient that reaches the weight
         # comes from a use outside this layer and would be a second, unfused step.
         self.weight.register_hook(self._refuse_outside_gradient)
@@ -430,7 +432,10 @@ class ForgeLinear(nn.Linear):
         ``NonFiniteInputError`` (nothing was written, the step does not count) or
         ``NonFiniteUpdateError`` (the layer stops, as after a failed step in ``"raise"``
         mode). A clean step is counted in ``forge_step``. Waits only for the GPU to
-        finish that step (an event), not for everything queued after it."""
+        finish that step (an event), not for everything queued after it. A layer held by
+        a ``CapturedStep`` has its latest replay checked there (every layer at once)."""
+        if self.forge_owner is not None:
+            self.forge_owner.check()
         if self._unchecked is None:
             return
         outcome, step, advance = self._unchecked

@@ -32,14 +32,15 @@ class StepScalars:
     rule and the seed. Changing the rule's hyperparameters (a learning-rate schedule)
     takes effect at the next ``set``."""
 
-    def __init__(self, rule, *, seed=0, device):
+    def __init__(self, rule, *, seed=0, device, words=None):
         from ..rules.base import Rule
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels rule, got {type(rule).__name__}")
         self.rule = rule
         self.seed = check_seed(seed)
         self.device = torch.device(device)
-        words = torch.zeros(_WORDS, dtype=torch.int32, device=self.device)
+        # ``words``: this buffer's slice of a StepScalarsGroup's (set there, all at once).
+        words = torch.zeros(_WORDS, dtype=torch.int32, device=self.device) if words is None else words
         self.words = words
         self.values = words[:NUM_SCALARS].view(torch.float32)
         self.key = words[NUM_SCALARS:].view(torch.int64)
@@ -75,3 +76,47 @@ class StepScalars:
 
     def __repr__(self) -> str:
         return f"StepScalars({self.rule!r}, seed={self.seed}, step={self.step}, device={self.device})"
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 on uint64 arrays (wrapping, as ``stochastic_round._splitmix64`` masks)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class StepScalarsGroup:
+    """The ``StepScalars`` of many updates that share ``rule`` (each with its own seed:
+    the layers of one ``fuse``), in one device buffer: ``set(step)`` computes the rule's
+    scalars once and every member's Philox key in one vectorized pass, and writes them
+    with one copy, so a captured model step costs the host the same whatever its number
+    of layers. ``members[i]`` is the ``StepScalars`` of ``seeds[i]``."""
+
+    def __init__(self, rule, seeds, *, device):
+        seeds = [check_seed(seed) for seed in seeds]
+        self.rule, self.device = rule, torch.device(device)
+        self.words = torch.zeros(len(seeds) * _WORDS, dtype=torch.int32, device=self.device)
+        self.members = [StepScalars(rule, seed=seed, device=device, words=self.words[i * _WORDS:(i + 1) * _WORDS])
+                        for i, seed in enumerate(seeds)]
+        self._mixed = _splitmix64(np.asarray(seeds, dtype=np.uint64))
+        self.step = None
+
+    def set(self, step) -> "StepScalarsGroup":
+        """Every member's ``set(step)``, in one asynchronous copy."""
+        scalars = self.rule.scalars(step)
+        host = np.zeros((len(self.members), _WORDS), dtype=np.int32)
+        host[:, :NUM_SCALARS] = np.asarray(scalars, dtype=np.float32).view(np.int32)
+        # stream_seed(seed, step): SplitMix64(SplitMix64(seed) ^ 4 step) >> 1
+        keys = _splitmix64(self._mixed ^ np.uint64(int(step) * 4)) >> np.uint64(1)
+        host[:, NUM_SCALARS:] = keys.astype(np.int64).reshape(-1, 1).view(np.int32)
+        staged = torch.from_numpy(host.reshape(-1))
+        if self.device.type == "cuda":
+            self.words.copy_(staged.pin_memory(), non_blocking=True)
+        else:
+            self.words.copy_(staged)
+        self.step = int(step)
+        for member in self.members:
+            member.step = self.step
+        return self

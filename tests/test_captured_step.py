@@ -1,0 +1,147 @@
+"""CapturedStep: a model's training step captured in a CUDA graph and replayed is bitwise
+the eager step at every step, in every storage regime; its layers count their steps and
+checkpoint as eager layers do; a non-finite replay stops the capture and leaves each
+layer where the eager path would; what a capture cannot do is refused."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import forge_kernels as fk
+from forge_verify import assert_bitwise_equal
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+REGIMES = {"fp32": (torch.float32, "fp32"), "bf16": (torch.bfloat16, "bf16"), "q8": (torch.bfloat16, "q8")}
+CONFIG = fk.TileConfig(block_n=32, block_k=32, block_t=32)
+
+
+def _models(device, regime, seed=0):
+    """Two identical fused MLPs (same weights, states and layer seeds) and a batch maker."""
+    dtype, state_format = REGIMES[regime]
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(48, 64, bias=False), nn.GELU(), nn.Linear(64, 40, bias=False)).to(device, dtype)
+    models = [fk.fuse(copy.deepcopy(base), fk.AdamW(lr=1e-2), state_format=state_format, config=CONFIG, seed=7,
+                      report="defer") for _ in range(2)]
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+
+    def batch():
+        return torch.randn(24, 48, generator=gen).to(device, dtype)
+    return models, batch
+
+
+def _loss(model, x):
+    return model(x).float().square().mean()
+
+
+def _assert_same_models(a, b, where):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert_bitwise_equal(x, y, f"{where}: {name}")
+
+
+def _captured(model, static_x, **kwargs):
+    def step_fn():
+        loss = _loss(model, static_x)
+        loss.backward()
+        return loss
+    return fk.CapturedStep(model, step_fn, **kwargs)
+
+
+@needs_cuda
+@pytest.mark.exactness
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_replays_are_bitwise_the_eager_steps(regime):
+    """One warm-up step, the capture, four replays: after each, every weight, state slot,
+    forge_step and the loss equal the eager model's; the eager model keeps stepping after
+    release and the two still agree."""
+    (eager, graphed), batch = _models("cuda", regime)
+    static_x = torch.empty(24, 48, device="cuda", dtype=REGIMES[regime][0])
+    step = _captured(graphed, static_x)
+    for index in range(6):
+        x = batch()
+        static_x.copy_(x)
+        loss = step()
+        eager_loss = _loss(eager, x)
+        eager_loss.backward()
+        fk.check_updates(eager)
+        assert_bitwise_equal(loss, eager_loss, f"loss, step {index + 1}")
+        _assert_same_models(graphed, eager, f"step {index + 1}")
+    step.release()
+    x = batch()
+    for model in (graphed, eager):
+        _loss(model, x).backward()
+        fk.check_updates(model)
+    _assert_same_models(graphed, eager, "after release")
+    assert int(graphed[0].forge_step) == 7
+
+
+@needs_cuda
+def test_manual_check_and_checkpoint_of_a_captured_model():
+    """check="manual" reads the previous replay at the next call; state_dict() of a captured
+    model checks the latest replay and holds its step count; the checkpoint resumes."""
+    (eager, graphed), batch = _models("cuda", "bf16")
+    static_x = torch.empty(24, 48, device="cuda", dtype=torch.bfloat16)
+    step = _captured(graphed, static_x, check="manual", warmup=2)
+    for _ in range(4):
+        x = batch()
+        static_x.copy_(x)
+        step()
+        _loss(eager, x).backward()
+    checkpoint = {k: v.clone() for k, v in graphed.state_dict().items()}
+    assert int(checkpoint["0.forge_step"]) == 4
+    fk.check_updates(eager)
+    resumed = copy.deepcopy(eager)
+    resumed.load_state_dict(checkpoint)
+    _assert_same_models(resumed, eager, "resumed from the captured checkpoint")
+
+
+@needs_cuda
+def test_a_non_finite_replay_stops_the_capture_and_writes_nothing():
+    (eager, graphed), batch = _models("cuda", "fp32")
+    static_x = torch.empty(24, 48, device="cuda")
+    step = _captured(graphed, static_x)
+    for _ in range(3):
+        static_x.copy_(batch())
+        step()
+    before = {k: v.clone() for k, v in graphed.state_dict().items()}
+    static_x[3, 5] = float("nan")
+    with pytest.raises(fk.NonFiniteInputError, match=r"(?s)step 4 \(CapturedStep\).*capture is stopped"):
+        step()
+    assert not step.active
+    # The first layer saw the NaN and wrote nothing; the second layer's dY came from a NaN
+    # activation too: neither stepped, and both are back at step 3.
+    for name, tensor in graphed.state_dict().items():
+        assert_bitwise_equal(tensor, before[name], f"after the refused replay: {name}")
+    with pytest.raises(RuntimeError, match="released or stopped"):
+        step()
+    static_x.copy_(batch())
+    _loss(graphed, static_x).backward()  # eager training goes on from step 3
+    fk.check_updates(graphed)
+    assert int(graphed[0].forge_step) == 4
+
+
+@needs_cuda
+def test_a_captured_layer_refuses_an_eager_backward():
+    (_, graphed), batch = _models("cuda", "fp32")
+    static_x = torch.empty(24, 48, device="cuda")
+    step = _captured(graphed, static_x)
+    static_x.copy_(batch())
+    step()
+    with pytest.raises(RuntimeError, match="captured by a CapturedStep"):
+        _loss(graphed, batch()).backward()
+
+
+def test_capture_refuses_what_it_cannot_do(device):
+    (model, _), _ = _models(device, "fp32")
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="one CUDA device"):
+            fk.CapturedStep(model, lambda: None)
+    with pytest.raises(ValueError, match="no fused layers|fused layers"):
+        fk.CapturedStep(nn.Sequential(nn.ReLU()), lambda: None)
+    with pytest.raises(ValueError, match="check must be one of"):
+        fk.CapturedStep(model, lambda: None, check="never")
+    with pytest.raises(ValueError, match="warmup must be an integer >= 1"):
+        fk.CapturedStep(model, lambda: None, warmup=0)
+    with pytest.raises(TypeError, match="step_fn must be callable"):
+        fk.CapturedStep(model, None)
