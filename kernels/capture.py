@@ -49,6 +49,8 @@ graph (every captured layer defers, and the call checks), and CPU execution (the
 interpreter has no graphs: refused with an error).
 """
 
+import contextlib
+
 import torch
 
 from .errors import NonFiniteInputError
@@ -57,6 +59,10 @@ from .ops.fused_weight_update import fused_weight_update
 from .ops.step_scalars import StepScalarsGroup
 
 CHECKS = ("every step", "manual")
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class CapturedStep:
@@ -97,6 +103,7 @@ class CapturedStep:
         self._warmup_left = warmup
         self._checked = True        # whether the latest step's outcome has been read
         self._outcomes = {}         # layer -> UpdateReport of its latest launch
+        self._running = False       # inside this object's own run of step_fn
         self._stream = torch.cuda.Stream(device=devices.pop())
         by_rule = {}
         for layer in layers:
@@ -136,7 +143,7 @@ class CapturedStep:
     def _eager(self, step):
         self._outcomes.clear()
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), self._own_run():
             returned = self.step_fn()
         torch.cuda.current_stream().wait_stream(self._stream)
         self._require_every_layer_stepped(step)
@@ -148,8 +155,10 @@ class CapturedStep:
         self.graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.graph(self.graph, stream=self._stream):
-                self.loss = self.step_fn()
+            with torch.cuda.graph(self.graph, stream=self._stream), self._own_run():
+                # Kept without its autograd graph: that graph's nodes hold the layers, the
+                # layers this object, and a cycle through C++ nodes is never collected.
+                self.loss = _detached(self.step_fn())
         except BaseException:
             self._stop(self.step)
             raise
@@ -167,10 +176,22 @@ class CapturedStep:
             raise RuntimeError(f"fused layers {missing} took no backward in step {step}: a captured step must "
                                "step every fused layer of the model once; the layers are released")
 
+    @contextlib.contextmanager
+    def _own_run(self):
+        self._running = True
+        try:
+            yield
+        finally:
+            self._running = False
+
     def _step_layer(self, layer, x2d, dy2d):
         """A fused layer's step, eager (warm-up) or as the graph records it: its scalars
         and rounding key read from the group's device buffer, its outcome kept for
-        ``check``, its ``forge_step`` advanced on the device."""
+        ``check``, its ``forge_step`` advanced on the device. A backward outside this
+        object's own runs of ``step_fn`` is refused: it would step the layer a second time."""
+        if not self._running:
+            raise RuntimeError(f"fused layer {layer.forge_name!r} is captured by a CapturedStep: its steps are "
+                               "the CapturedStep's calls. Call it, or its release(), not the model's backward")
         with torch.no_grad():
             self._outcomes[layer] = fused_weight_update(
                 x2d, dy2d, layer.weight.data, layer.forge_state, layer.rule, self._scalars[layer],
