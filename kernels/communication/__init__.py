@@ -5,7 +5,8 @@ Wire formats, one file each: ``e4m3`` and ``e5m2`` (per-tensor FP8, current scal
 and ``nvfp4`` (Transformer Engine's recipe). The transform: ``whitening.Whitening``
 (from a layer's input covariance) and ``whitening.CovarianceTracker`` (forward hooks).
 The DDP communication hook: ``hook.GiftState`` and ``hook.gift_hook`` (wire codecs in
-``codecs.py``); layer selection by range hits: ``selection.RangeHitSelection``.
+``codecs.py``); layer selection by range hits: ``selection.RangeHitSelection``; FORGE's
+materialized data-parallel bucket path reducing through GIFT: ``split_step.GiftSplitReducer``.
 """
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from . import e4m3, e5m2, nvfp4
 from .hook import GiftState, gift_hook
 from .selection import RangeHitSelection, range_hits
+from .split_step import GiftSplitReducer
 from .whitening import CovarianceTracker, Whitening, agreed_whitening
 
 #: wire formats by name
@@ -32,4 +34,4 @@ def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 __all__ = ["e4m3", "e5m2", "nvfp4", "FORMATS", "format_module", "round_trip", "Whitening", "CovarianceTracker",
-           "agreed_whitening", "GiftState", "gift_hook", "RangeHitSelection", "range_hits"]
+           "agreed_whitening", "GiftState", "gift_hook", "RangeHitSelection", "range_hits", "GiftSplitReducer"]
