@@ -24,8 +24,16 @@ def test_identity_codec_step_equals_the_all_reduce_step(transform, rank_pool):
 @pytest.mark.parametrize("route", ["plain", "gift"])
 def test_e4m3_bucket_sums_stay_within_the_derived_bound(route, rank_pool):
     results = rank_pool(2).run(gift_split_jobs.e4m3_sums_within_the_bound, route)
-    assert results[0] == results[1]  # every rank holds the same sums, errors and bounds
-    assert len(results[0]) == 3
-    for error, bound, norm in results[0]:
+    assert results[0] == results[1]  # every rank holds the same sums, errors, bounds and byte counts
+    measured, wire = results[0]
+    assert len(measured) == 3
+    for error, bound, norm in measured:
         assert 0 < error <= bound, (error, bound)
         assert bound <= 0.2 * norm, (bound, norm)  # the bound says something: E4M3's 2⁻⁴ per rank, × κ
+    # counted: three buckets of 8 × 32 one-byte codes, each with its amax and non-finite
+    # flag (2 fp32); a refresh passes a flag, A (32 × 32 fp32), the rank and the factors
+    # (U 32 × 8 and d_apply, d_invert, 1/σ, σ in fp32; 8 + 1 float64 scales)
+    expected = {"gradients": 3 * 8 * 32, "scales": 3 * 2 * 4}
+    if route == "gift":
+        expected["refresh"] = 8 + 32 * 32 * 4 + 8 + (32 * 8 + 8 + 8 + 1 + 1) * 4 + 9 * 8
+    assert wire == expected, wire

@@ -39,7 +39,8 @@ def identity_codec_equals_all_reduce(transform: str):
 def e4m3_sums_within_the_bound(route: str, rank: int = 8):
     """The bucket sums through GiftSplitReducer("e4m3", no error feedback) on Gaussian
     data, the transform from the step's inputs (``refresh``) or none: per bucket,
-    (‖out − Σ_r G_r‖_F, the bound of ``e4m3_sum_bound``, ‖Σ_r G_r‖_F)."""
+    (‖out − Σ_r G_r‖_F, the bound of ``e4m3_sum_bound``, ‖Σ_r G_r‖_F); and the bytes
+    this rank passed into GIFT's collectives, by kind."""
     weight, ((x, dy),) = tc.problem(seed=6)
     parts, group = tc.parts_of("data", x, dy)
     reducer = fk.gift.GiftSplitReducer("e4m3", group, rank=rank, error_feedback=False)
@@ -68,4 +69,4 @@ def e4m3_sums_within_the_bound(route: str, rank: int = 8):
     rule = fk.SGD(lr=1e-2)
     materialized_split_step(parts, weight.clone(), rule.init_state(weight), rule, 1, group=group,
                             bucket_rows=BUCKET_ROWS, reduce=recording)
-    return measured
+    return measured, dict(reducer.wire_bytes)
