@@ -1,12 +1,14 @@
 """GIFT's hook is asynchronous (``GiftState(overlap=True)``, the default): it returns a
 future before the collectives complete, the reduction runs on the state's communication
 thread, and the bits are those of reducing inside the hook (``overlap=False``). A
-non-finite gradient on one rank makes every rank refuse together. Jobs in
+non-finite gradient on one rank makes every rank refuse together. A hook saved with
+``state_dict`` and loaded into a fresh one continues bit for bit. Jobs in
 ``forge_verify/distributed/gift_selection_jobs.py``; 2 gloo ranks."""
 
 import pytest
 
 from forge_verify.distributed import gift_selection_jobs
+from forge_verify.numerics.bits import assert_bitwise_equal
 
 pytestmark = [pytest.mark.distributed]
 
@@ -35,3 +37,19 @@ def test_a_non_finite_gradient_on_one_rank_is_refused_on_every_rank(rank_pool):
     for rank, (message, residuals) in enumerate(rank_pool(2).run(gift_selection_jobs.non_finite_on_one_rank, 4)):
         assert message is not None and "not finite on at least one rank" in message, (rank, message)
         assert residuals == [], rank
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("fmt, select", [("e4m3", False), ("nvfp4", False), ("e4m3", True)])
+def test_a_resumed_hook_continues_bit_for_bit(fmt, select, rank_pool):
+    """Saved after 5 steps (the covariance window holding steps since the last refresh,
+    residuals set), loaded into a fresh hook, 3 more steps (a refresh among them): the
+    uninterrupted run's bits."""
+    for rank, (whole, resumed, digests, resumed_digests) in enumerate(
+            rank_pool(2).run(gift_selection_jobs.resume_versus_uninterrupted, 19, fmt, 5, 3, select)):
+        for i, (a, b) in enumerate(zip(whole, resumed)):
+            assert_bitwise_equal(a, b, f"rank {rank}, parameter {i}")
+        # refreshes: both layers at steps 0, 3, 6; or the one selected at the window's end
+        # (step 2) and at 5. The resumed hook made those from step 5 on itself.
+        assert sorted(step for step, _, _ in digests) == ([2, 5] if select else [0, 0, 3, 3, 6, 6]), digests
+        assert digests == resumed_digests, rank

@@ -133,3 +133,46 @@ def non_finite_on_one_rank(seed: int):
     except fk.NonFiniteInputError as error:
         return str(error), sorted(state.residuals)
     return None, sorted(state.residuals)
+
+
+def resume_versus_uninterrupted(seed: int, fmt: str, before: int, after: int, select: bool):
+    """DDP with GIFT (refresh every 3 steps, error feedback; explicit layers, or a
+    selection of 1 of 2 over a 2-step window): ``before + after`` steps in one go, against
+    ``before`` steps, the model's, optimizer's and hook's state saved (``state_dict``), a
+    fresh model, optimizer and hook loaded from it, and ``after`` more steps. Both
+    models' parameters, and the hook's factor digests."""
+    rank = dist.get_rank()
+
+    def build(initial=None):
+        model = _mlp(seed)
+        if initial is not None:
+            model.load_state_dict(initial)
+        ddp = DistributedDataParallel(model)
+        layers = (fk.gift.RangeHitSelection([model[0], model[2]], 1, 2) if select else [model[0], model[2]])
+        state = fk.gift.GiftState(None, fmt, 8, 3, layers=layers)
+        ddp.register_comm_hook(state, fk.gift.gift_hook)
+        return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    mix = torch.randn(32, 32, generator=torch.Generator().manual_seed(seed)) * torch.logspace(0, -2, 32)
+    batches = [torch.randn(16, 32, generator=torch.Generator().manual_seed(seed * 1000 + rank * 100 + t)) @ mix
+               for t in range(before + after)]
+
+    def train(model, ddp, optimizer, xs):
+        for x in xs:
+            optimizer.zero_grad(set_to_none=True)
+            ((ddp(x) - x) ** 2).mean().backward()
+            optimizer.step()
+
+    whole = build()
+    train(whole[0], whole[1], whole[3], batches)
+    first = build()
+    train(first[0], first[1], first[3], batches[:before])
+    saved = (first[0].state_dict(), first[3].state_dict(), first[2].state_dict(list(first[0].parameters())))
+    second = build(saved[0])
+    second[3].load_state_dict(saved[1])
+    second[2].load_state_dict(saved[2], list(second[0].parameters()))
+    train(second[0], second[1], second[3], batches[before:])
+    for state in (whole[2], first[2], second[2]):
+        state.close()
+    return ([p.detach().clone() for p in whole[0].parameters()], [p.detach().clone() for p in second[0].parameters()],
+            whole[2].digests, second[2].digests)

@@ -66,7 +66,8 @@ class GiftState:
 
     ``last_sent`` holds, per gradient, what this rank put on the wire at its last
     exchange, decoded, in the coordinates sent (for measuring the wire's error).
-    ``wire_bytes`` counts the bytes this rank passed into collectives, by kind
+    ``state_dict(parameters)``/``load_state_dict(state, parameters)`` resume it bit for
+    bit. ``wire_bytes`` counts the bytes this rank passed into collectives, by kind
     ("gradients": codes or fp32 values, "scales": the amax vectors, "refresh": A, the
     flags and the factors); what crosses the links depends on the collective's algorithm
     (an all-gather delivers (world − 1) payloads to every rank)."""
@@ -257,6 +258,51 @@ class GiftState:
             if self.selection is not None and not self.selection.frozen and self.step == self.selection.warmup_steps:
                 self._add_layers(self.selection.freeze(self.process_group))
         return buffer
+
+    def state_dict(self, parameters) -> dict:
+        """What resumes the hook bit for bit (with the model's and optimizer's own state):
+        step, transforms, residuals, covariance windows, digests, the selection. Parameters
+        are named by their index in ``parameters`` (the model's, in a fixed order)."""
+        if self._worker is not None:
+            self._worker.submit(lambda: None).result()  # the reductions in flight first
+        index = {id(p): i for i, p in enumerate(parameters)}
+        unknown = [key for key in self.residuals if key not in index]
+        if unknown or any(id(layer.weight) not in index for layer in self.layers):
+            raise ValueError("a residual or layer of this state belongs to no parameter given")
+        windows = {}
+        for i, layer in enumerate(self.layers):
+            window = self.tracker.window(layer) if self.tracker is not None else None
+            if window is not None:
+                windows[i] = (window[0].clone(), window[1])
+        return {"step": self.step, "layers": [index[id(layer.weight)] for layer in self.layers],
+                "joined": dict(self._joined), "refreshed_at": dict(self._refreshed_at),
+                "whitenings": {i: [t.clone() for t in w.tensors()] for i, w in self.whitenings.items()},
+                "residuals": {index[key]: r.clone() for key, r in self.residuals.items()},
+                "windows": windows, "digests": list(self.digests), "wire_bytes": dict(self.wire_bytes),
+                "selection": self.selection.state_dict() if self.selection is not None else None}
+
+    def load_state_dict(self, state: dict, parameters) -> None:
+        """Resume from ``state_dict(parameters)``; this state must have been made with the
+        same layers (or the same selection's candidates) of a model with the same parameters."""
+        parameters = list(parameters)
+        if self.selection is not None:
+            self.selection.load_state_dict(state["selection"])
+            if self.selection.frozen and not self.layers:
+                self._add_layers([self.selection.candidates[i] for i in self.selection.selected])
+        index = {id(p): i for i, p in enumerate(parameters)}
+        if [index.get(id(layer.weight)) for layer in self.layers] != state["layers"]:
+            raise ValueError(f"the saved state's GIFT layers are parameters {state['layers']}; this state's are "
+                             f"{[index.get(id(layer.weight)) for layer in self.layers]}")
+        self.step = state["step"]
+        self._joined, self._refreshed_at = dict(state["joined"]), dict(state["refreshed_at"])
+        self.whitenings = {i: Whitening(*[t.clone() for t in tensors]) for i, tensors in state["whitenings"].items()}
+        self.residuals = {id(parameters[i]): r.clone() for i, r in state["residuals"].items()}
+        if self.tracker is not None:
+            self.tracker.reset()
+            for i, (total, rows) in state["windows"].items():
+                self.tracker.set_window(self.layers[i], total, rows)
+        self.digests = list(state["digests"])
+        self.wire_bytes = Counter(state["wire_bytes"])
 
     def submit(self, buffer: torch.Tensor, params, is_last: bool) -> torch.futures.Future:
         """``reduce_bucket`` on the communication thread; its future."""

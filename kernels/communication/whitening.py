@@ -184,6 +184,15 @@ class CovarianceTracker:
             raise RuntimeError("no forward call of this layer was recorded in the window")
         return self._sums[id(layer)] / self._counts[id(layer)]
 
+    def window(self, layer):
+        """(the window's fp32 sum of xᵀx, its row count), or None before any recorded call."""
+        key = id(layer)
+        return (self._sums[key], self._counts[key]) if key in self._sums else None
+
+    def set_window(self, layer, total: torch.Tensor, rows: int) -> None:
+        """Resume ``layer``'s window from ``window``'s output."""
+        self._sums[id(layer)], self._counts[id(layer)] = total.clone(), rows
+
     def reset(self, layer=None):
         """Open a new window for ``layer`` (every layer when None)."""
         keys = list(self._sums) if layer is None else [id(layer)]
