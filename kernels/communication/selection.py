@@ -8,9 +8,9 @@ nonzero with |fl(x · scale)| below the smallest normal value (it lands on a sub
 code or on zero, losing relative precision or all of it), or above the largest finite
 value (clamped). Current scaling maps the amax itself onto the largest value, so above it
 nothing lands but the rounding of the scale can allow: in practice the count is the
-underflow count, and it grows with the dynamic range of the tensor (a Gaussian tensor of
-a million elements has about 1.4e-4 of them below E4M3's normal range, a tensor whose
-columns span 8 decades about half).
+underflow count, and it grows with the dynamic range of the tensor (measured for E4M3: a
+Gaussian 1000 × 1000 tensor has 1.3e-4 of its elements out of range, one whose columns'
+scales span 8 decades 0.55).
 
 Each rank counts its own gradients (no collective per step). When the window closes,
 the counts are SUM-all-reduced once, so every rank ranks the same numbers; candidates are
