@@ -29,8 +29,10 @@ worker threads, so collectives issued from callbacks of several buckets in fligh
 be issued in an order that can differ between ranks, and gloo pairs collectives by their
 order. The same thread keeps every GIFT collective in bucket order on every rank; DDP
 options that issue collectives of their own during backward (``find_unused_parameters``)
-are not supported with it. ``overlap=False`` reduces inside the hook (the bits are the
-same: the same code runs on the same data).
+are not supported with it, and it has run on gloo only (the thread does not carry the
+caller's CUDA device, stream or events: use ``overlap=False`` on GPUs until NCCL is
+tested). ``overlap=False`` reduces inside the hook (the bits are the same: the same code
+runs on the same data).
 
 The wire format ``"fp32"`` is the identity codec: the fp32 bytes travel the same
 all-gather path, for checking the path itself.
