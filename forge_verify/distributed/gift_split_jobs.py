@@ -70,3 +70,35 @@ def e4m3_sums_within_the_bound(route: str, rank: int = 8):
     materialized_split_step(parts, weight.clone(), rule.init_state(weight), rule, 1, group=group,
                             bucket_rows=BUCKET_ROWS, reduce=recording)
     return measured, dict(reducer.wire_bytes)
+
+
+def resumed_reducer_continues(steps: int = 4, saved_after: int = 2):
+    """AdamW through ``materialized_split_step`` with GiftSplitReducer("e4m3", error
+    feedback, the transform refreshed from every step's inputs), ``steps`` steps on
+    Gaussian data in one go, against a run whose reducer is saved after ``saved_after``
+    steps and loaded into a fresh one: the final weights (both runs')."""
+    weight, batches = tc.problem(seed=8, steps=steps)
+    rule = fk.AdamW(lr=1e-2)
+
+    def run(reducer_for_step):
+        w, state = weight.clone(), rule.init_state(weight)
+        for step, (x, dy) in enumerate(batches, start=1):
+            parts, group = tc.parts_of("data", x, dy)
+            reducer = reducer_for_step(step, group)
+            reducer.refresh(parts)
+            materialized_split_step(parts, w, state, rule, step, group=group, bucket_rows=BUCKET_ROWS,
+                                    reduce=reducer)
+        return w
+
+    whole = {}
+    w_whole = run(lambda step, group: whole.setdefault("r", fk.gift.GiftSplitReducer("e4m3", group, rank=8)))
+    held = {}
+
+    def resumed(step, group):
+        if step == saved_after + 1:  # a fresh reducer from the saved state
+            saved = held["r"].state_dict()
+            held["r"] = fk.gift.GiftSplitReducer("e4m3", group, rank=8)
+            held["r"].load_state_dict(saved)
+        return held.setdefault("r", fk.gift.GiftSplitReducer("e4m3", group, rank=8))
+
+    return w_whole, run(resumed)

@@ -16,10 +16,12 @@ What this saves is wire bytes only: the bucket's fp32 gradient is still material
 memory, as on this path without GIFT.
 """
 
+from collections import Counter
+
 import torch
 
 from .hook import GiftState
-from .whitening import agreed_whitening
+from .whitening import Whitening, agreed_whitening
 
 
 class GiftSplitReducer:
@@ -60,3 +62,14 @@ class GiftSplitReducer:
     @property
     def wire_bytes(self):
         return self.state.wire_bytes
+
+    def state_dict(self) -> dict:
+        """The transform's factors and the residuals per bucket of rows (``(start, stop)``)."""
+        return {"whitening": None if self.whitening is None else [t.clone() for t in self.whitening.tensors()],
+                "residuals": {key: r.clone() for key, r in self.state.residuals.items()},
+                "wire_bytes": dict(self.state.wire_bytes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.whitening = None if state["whitening"] is None else Whitening(*[t.clone() for t in state["whitening"]])
+        self.state.residuals = {tuple(key): r.clone() for key, r in state["residuals"].items()}
+        self.state.wire_bytes = Counter(state["wire_bytes"])
