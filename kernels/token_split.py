@@ -18,6 +18,8 @@ given; a fused step per part would apply it to partial sums, which is not the st
   (``apply_rule``, same epilogue and rounding streams). Memory: one fp32 bucket,
   ``bucket_rows x in_features x 4`` bytes. The same bits as the standard pipeline
   (whole gradient per part, summed, all-reduced, then the rule) for any bucket size.
+  The sum over ranks is a seam (``reduce=``): compressed communication such as GIFT's
+  (``forge_kernels.gift.GiftSplitReducer``) replaces the fp32 all-reduce there.
 """
 
 import torch
@@ -77,11 +79,20 @@ def linear_split_step(parts, weight, state, rule, step, *, group=None, config=No
             dist.all_reduce(tensor, group=group)
 
 
+def _all_reduce_sum(grad, group, rows):
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
 def materialized_split_step(parts, weight, state, rule, step, *, group=None, bucket_rows=None, config=None,
-                            rounding=None, seed=0, weight_slice=None):
+                            rounding=None, seed=0, weight_slice=None, reduce=None):
     """One step of any rule on the gradient summed over every part on every rank of
     ``group``, materialized ``bucket_rows`` rows at a time (default: all rows).
-    ``weight_slice`` places a tensor-parallel shard, as in ``fused_weight_update``."""
+    ``weight_slice`` places a tensor-parallel shard, as in ``fused_weight_update``.
+    ``reduce(grad, group, rows)`` (default: an fp32 all-reduce) returns the sum over the
+    ranks of this rank's gradient ``grad`` of weight rows ``rows`` (a slice), in its shape
+    and dtype; called once per bucket, in row order, on every rank of a group of more than
+    one."""
     _check_parts(parts)
     rows, cols = weight.shape
     bucket_rows = rows if bucket_rows is None else bucket_rows
@@ -95,7 +106,11 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
             part = weight_gradient(x, dy[:, start:stop], config=config)
             grad = part if grad is None else grad.add_(part)
         if _world(group) > 1:
-            dist.all_reduce(grad, group=group)
+            reduced = (reduce or _all_reduce_sum)(grad, group, slice(start, stop))
+            if reduced.shape != grad.shape or reduced.dtype != grad.dtype:
+                raise ValueError(f"reduce returned {tuple(reduced.shape)} {reduced.dtype} for a "
+                                 f"{tuple(grad.shape)} {grad.dtype} gradient bucket")
+            grad = reduced
         apply_rule(grad, weight[start:stop], {key: tensor[start:stop] for key, tensor in state.items()}, rule, step,
                    config=config, rounding=rounding, seed=seed,
                    weight_slice=WeightSlice(place.row_start + start, place.col_start, place.global_shape))

@@ -49,3 +49,11 @@ def test_nvfp4_needs_whole_blocks_along_the_last_dimension():
         fk.gift.nvfp4.quantize(torch.ones(4, 24))
     assert fk.gift.nvfp4.quantize(torch.ones(4, 32)).codes.shape == (4, 16)
     assert fk.gift.nvfp4.quantize(torch.ones(4, 32)).block_scales.shape == (4, 2)
+
+
+def test_range_hits_count_what_leaves_the_normal_range_under_current_scaling():
+    # amax 1: E4M3's scale is 448, its smallest normal 2**-6; E5M2's 57344 and 2**-14
+    x = torch.tensor([1.0, 2.0 ** -20, 0.0, -2.0 ** -16, 2.0 ** -14, 2.0 ** -30])
+    assert fk.gift.range_hits(x, "e4m3") == 3  # 2**-20, -2**-16, 2**-30 (not 0, not 2**-14)
+    assert fk.gift.range_hits(x, "e5m2") == 1  # 2**-30 only
+    assert fk.gift.range_hits(torch.zeros(5), "e4m3") == 0

@@ -69,3 +69,28 @@ def leading_order_bound(whitening) -> float:
     """The bound's first-order size, ≈ 2 (K + r + 2) √r · κ(T) · u (proofs/gift.md), for reading."""
     K, r = whitening.U.shape
     return 2 * (K + r + 2) * max(r, 1) ** 0.5 * whitening.condition_number * U32
+
+
+def e4m3_sum_bound(whitening, sent_norms, grad_norms, scale: float, numel: int) -> float:
+    """β_Σ with ‖out − Σ_r G_r‖_F ≤ β_Σ for one summing exchange (``average=False``, no
+    error feedback) of E4M3 codes under the shared ``scale`` over the ranks, where rank r
+    sent y_r = apply(G_r) (``sent_norms``: ‖y_r‖_F, ``grad_norms``: ‖G_r‖_F, ``numel``
+    elements each) and out = invert(fl(Σ_r values_r / scale)) (proofs/gift.md, "6. A
+    summed exchange"). ``whitening`` None: the plain route (T = I, exact maps)."""
+    u = U32
+    world = len(sent_norms)
+    relative = u + 2.0 ** -4 * (1 + u)            # per element: fl(y s), then E4M3's half step
+    absolute = world * 2.0 ** -10 * numel ** 0.5 / scale  # E4M3's subnormal half step, unscaled
+    V = sum((1 + relative) * n for n in sent_norms) + absolute  # ‖Σ_r values_r / s‖
+    W = u * V + relative * sum(sent_norms) + absolute            # ‖Z − Σ_r y_r‖
+    if whitening is None:
+        return W * (1 + 2.0 ** -30)
+    w = whitening
+    T = dense(w.inv_sigma, w.d_apply, w.U)
+    S = dense(w.sigma, w.d_invert, w.U)
+    norm_S = _spectral(S)
+    mismatch = _spectral(T @ S - torch.eye(w.U.shape[0], dtype=torch.float64))
+    alpha_T = map_error_coefficient(w.inv_sigma, w.d_apply, w.U)
+    alpha_S = map_error_coefficient(w.sigma, w.d_invert, w.U)
+    bound = alpha_S * (1 + u) * V + norm_S * W + (norm_S * alpha_T + mismatch) * sum(grad_norms)
+    return bound * (1 + 2.0 ** -30)  # the float64 evaluation of the norms, far inside this margin

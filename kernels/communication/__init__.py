@@ -4,14 +4,18 @@ exposed as ``forge_kernels.gift``.
 Wire formats, one file each: ``e4m3`` and ``e5m2`` (per-tensor FP8, current scaling)
 and ``nvfp4`` (Transformer Engine's recipe). The transform: ``whitening.Whitening``
 (from a layer's input covariance) and ``whitening.CovarianceTracker`` (forward hooks).
-The DDP communication hook: ``hook.GiftState`` and ``hook.gift_hook``.
+The DDP communication hook: ``hook.GiftState`` and ``hook.gift_hook`` (wire codecs in
+``codecs.py``); layer selection by range hits: ``selection.RangeHitSelection``; FORGE's
+materialized data-parallel bucket path reducing through GIFT: ``split_step.GiftSplitReducer``.
 """
 
 import torch
 
 from . import e4m3, e5m2, nvfp4
 from .hook import GiftState, gift_hook
-from .whitening import CovarianceTracker, Whitening
+from .selection import RangeHitSelection, range_hits
+from .split_step import GiftSplitReducer
+from .whitening import CovarianceTracker, Whitening, agreed_whitening
 
 #: wire formats by name
 FORMATS = {"e4m3": e4m3, "e5m2": e5m2, "nvfp4": nvfp4}
@@ -30,4 +34,4 @@ def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 __all__ = ["e4m3", "e5m2", "nvfp4", "FORMATS", "format_module", "round_trip", "Whitening", "CovarianceTracker",
-           "GiftState", "gift_hook"]
+           "agreed_whitening", "GiftState", "gift_hook", "RangeHitSelection", "range_hits", "GiftSplitReducer"]

@@ -12,10 +12,13 @@ A gradient G (N, K) is sent as G T; the receiver applies T^{-1} = U_r Λ_r^{1/2}
 ``d = Λ_r^{∓1/2} − σ^{∓1}``: O(N K r) work, no K×K product is formed. The
 eigendecomposition runs in float64; the factors are stored in fp32 and define the
 transform (``forge_verify/numerics/gift_bounds.py`` bounds the fp32 round trip from
-them; proofs/gift.md).
+them; proofs/gift.md). Everything runs on A's device (on a GPU, float64 ``eigh`` is
+cuSOLVER's; the factors are computed on one rank and broadcast, so that is harmless).
 
 The factors must be bit-identical on every rank: ``broadcast`` sends rank ``src``'s to
-the others (kfac-pytorch's pattern); ``digest`` hashes them for checking.
+the others (kfac-pytorch's pattern); ``digest`` hashes them for checking;
+``agreed_whitening`` does both steps for a rank-local covariance (all-reduce, compute on
+the group's first rank, broadcast).
 """
 
 import hashlib
@@ -43,10 +46,10 @@ class Whitening:
         return self.U.shape[1]
 
     @classmethod
-    def identity(cls, features: int) -> "Whitening":
-        one = torch.ones((), dtype=torch.float32)
-        return cls(torch.zeros(features, 0), torch.zeros(0), torch.zeros(0), one, one.clone(),
-                   torch.ones(1, dtype=torch.float64))
+    def identity(cls, features: int, device=None) -> "Whitening":
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return cls(torch.zeros(features, 0, device=device), torch.zeros(0, device=device),
+                   torch.zeros(0, device=device), one, one.clone(), torch.ones(1, dtype=torch.float64, device=device))
 
     @classmethod
     def from_covariance(cls, A: torch.Tensor, rank: int, damping: float = 1e-3) -> "Whitening":
@@ -58,12 +61,12 @@ class Whitening:
             raise ValueError(f"rank and damping must be non-negative, got {rank}, {damping}")
         K = A.shape[0]
         r = min(rank, K)
-        A64 = A.detach().to(torch.float64).cpu()
+        A64 = A.detach().to(torch.float64)
         eigenvalues, vectors = torch.linalg.eigh((A64 + A64.T) / 2)
         eigenvalues, vectors = eigenvalues.flip(0).clamp(min=0), vectors.flip(1)
         mean = float(eigenvalues.sum()) / K
         if mean == 0:
-            return cls.identity(K)
+            return cls.identity(K, A.device)
         eps = damping * mean
         kept = eigenvalues[:r] + eps
         rest = eigenvalues[r:]
@@ -74,8 +77,9 @@ class Whitening:
         root = kept.sqrt()
         return cls(vectors[:, :r].to(torch.float32).contiguous(),
                    (1 / root - 1 / sigma).to(torch.float32), (root - sigma).to(torch.float32),
-                   torch.tensor(1 / sigma, dtype=torch.float32), torch.tensor(sigma, dtype=torch.float32),
-                   torch.cat([root, torch.tensor([sigma], dtype=torch.float64)]))
+                   torch.tensor(1 / sigma, dtype=torch.float32, device=A.device),
+                   torch.tensor(sigma, dtype=torch.float32, device=A.device),
+                   torch.cat([root, torch.tensor([sigma], dtype=torch.float64, device=A.device)]))
 
     @property
     def condition_number(self) -> float:
@@ -106,7 +110,7 @@ class Whitening:
         h = hashlib.sha256()
         for t in self.tensors():
             h.update(str(tuple(t.shape)).encode())
-            h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return h.hexdigest()
 
     def broadcast(self, src: int = 0, group=None) -> "Whitening":
@@ -120,17 +124,45 @@ class Whitening:
             dist.broadcast(t, src, group=group)
         return self
 
+    def nbytes(self) -> int:
+        """Bytes of the factors (what a broadcast sends)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
+    """One transform for every rank of ``group`` from this rank's covariance ``A`` (None
+    when this rank recorded nothing): the ranks' A averaged by an all-reduce (a rank that
+    recorded nothing adds zeros), the factors computed on the group's first rank and broadcast. None when
+    no rank recorded anything. Returns (whitening, bytes this rank put into collectives)."""
+    recorded = torch.tensor([0 if A is None else 1], dtype=torch.int64)
+    dist.all_reduce(recorded, group=group)
+    if int(recorded) == 0:
+        return None, recorded.numel() * 8
+    total = torch.zeros(features, features) if A is None else A.clone()
+    dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
+    whitening = Whitening.from_covariance(total, rank, damping)
+    source = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)[0]
+    whitening.broadcast(source, group)
+    return whitening, recorded.numel() * 8 + total.numel() * 4 + 8 + whitening.nbytes()
 
 class CovarianceTracker:
     """fp32 sums of xᵀx over a window of forward calls, one per tracked ``nn.Linear``
     (forward pre-hooks). ``covariance(layer)`` is the window's mean; ``reset`` opens a
     new window."""
 
-    def __init__(self, layers):
-        self.layers = list(layers)
+    def __init__(self, layers=()):
+        self.layers = []
         self._sums = {}
         self._counts = {}
-        self._handles = [layer.register_forward_pre_hook(self._record) for layer in self.layers]
+        self._handles = []
+        self.add(layers)
+
+    def add(self, layers) -> None:
+        """Start tracking ``layers`` too (from their next forward call on)."""
+        for layer in layers:
+            self.layers.append(layer)
+            self._handles.append(layer.register_forward_pre_hook(self._record))
 
     def _record(self, module, inputs):
         if not torch.is_grad_enabled():
@@ -151,6 +183,15 @@ class CovarianceTracker:
         if id(layer) not in self._sums:
             raise RuntimeError("no forward call of this layer was recorded in the window")
         return self._sums[id(layer)] / self._counts[id(layer)]
+
+    def window(self, layer):
+        """(the window's fp32 sum of xᵀx, its row count), or None before any recorded call."""
+        key = id(layer)
+        return (self._sums[key], self._counts[key]) if key in self._sums else None
+
+    def set_window(self, layer, total: torch.Tensor, rows: int) -> None:
+        """Resume ``layer``'s window from ``window``'s output."""
+        self._sums[id(layer)], self._counts[id(layer)] = total.clone(), rows
 
     def reset(self, layer=None):
         """Open a new window for ``layer`` (every layer when None)."""
