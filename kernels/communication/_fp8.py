@@ -5,9 +5,14 @@ Encoding: ``scale = format_max / amax`` in fp32 (1 when the tensor is all zeros)
 cast rounds it to nearest, ties to even. That double rounding is the definition (it is
 what Transformer Engine's current-scaling recipe computes); the straight reference in
 ``forge_verify/numerics/gift_formats.py`` rounds the same fp32 product on its own code
-grid. ``|x * scale| <= format_max`` up to one fp32 rounding of the scale, which E4M3's
-saturating cast and E5M2's round-to-nearest (overflow only from 61440) both map to the
-largest finite code, so no code is inf or NaN.
+grid. ``|x * scale| <= format_max`` up to one fp32 rounding of the scale, which both
+formats map to the largest finite code, so no code is inf or NaN.
+
+Out of range (a caller's shared scale too large): E4M3, which has no infinity,
+saturates to +-448; E5M2 overflows to +-inf from 61440, the midpoint above its largest
+finite value, as round-to-nearest does. Both are applied here, before the cast, because
+torch's own cast differs by device: on an H200 (torch 2.11, CUDA) casting 1e6 to E4M3
+gave NaN, where the CPU build saturates.
 
 Decoding: ``fl32(value / scale)``, one correctly rounded division.
 
@@ -33,9 +38,13 @@ class QuantizedFP8:
 
 @dataclass(frozen=True)
 class PerTensorFP8:
+    """``overflow_from``: the magnitude from which a value becomes an infinity (a format
+    that has one); None: the format saturates at ``max``."""
+
     name: str
     dtype: torch.dtype
     max: float
+    overflow_from: float | None = None
 
     def refuse_non_finite(self, x: torch.Tensor) -> None:
         if not bool(torch.isfinite(x).all()):
@@ -64,7 +73,12 @@ class PerTensorFP8:
     def encode(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """uint8 codes of ``x`` under ``scale`` (shared scales: the caller agreed it)."""
         self.refuse_non_finite(x)
-        return (x.to(torch.float32) * scale).to(self.dtype).view(torch.uint8)
+        scaled = x.to(torch.float32) * scale
+        if self.overflow_from is None:
+            scaled = scaled.clamp(-self.max, self.max)
+        else:
+            scaled = torch.where(scaled.abs() >= self.overflow_from, scaled.sign() * torch.inf, scaled)
+        return scaled.to(self.dtype).view(torch.uint8)
 
     def values(self, codes: torch.Tensor) -> torch.Tensor:
         """The fp32 values the codes stand for, before unscaling (exact)."""

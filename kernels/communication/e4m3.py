@@ -1,8 +1,9 @@
 """FP8 E4M3 (``torch.float8_e4m3fn``) on the wire, per-tensor current scaling.
 
 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, NaN at 0x7F and 0xFF;
-largest finite 448, smallest subnormal 2**-9. The cast saturates (+inf becomes 448),
-which is why input is checked finite first. Encoding and decoding: ``_fp8.py``.
+largest finite 448, smallest subnormal 2**-9. Encoding saturates out-of-range values at
+448 (explicitly: torch's cast saturates on the CPU but gave NaN on an H200), which is
+also why input is checked finite first (+inf would become 448). Encoding and decoding: ``_fp8.py``.
 """
 
 import torch

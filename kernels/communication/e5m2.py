@@ -10,7 +10,7 @@ import torch
 
 from ._fp8 import PerTensorFP8, QuantizedFP8
 
-FORMAT = PerTensorFP8("e5m2", torch.float8_e5m2, 57344.0)
+FORMAT = PerTensorFP8("e5m2", torch.float8_e5m2, 57344.0, overflow_from=61440.0)
 MAX = FORMAT.max
 tensor_amax, scale_for, values = FORMAT.tensor_amax, FORMAT.scale_for, FORMAT.values
 encode, decode = FORMAT.encode, FORMAT.decode
