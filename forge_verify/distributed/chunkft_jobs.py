@@ -1,0 +1,149 @@
+"""ChunkFT under data parallelism, as rank jobs (properties/test_chunkft_data_parallel.py).
+
+Every rank builds the same seeded model and controller with ``process_group`` the world.
+
+* ``equal_data_is_the_single_process_step``: with the same batch on every rank, the
+  averaged gradient of two ranks is the rank's own (g + g is exact, and so is the
+  halving), and the oracle epilogue on it gives the fused step's bits: so each DP step
+  equals the single-process ChunkFT step on that batch, bitwise, weights and state. It
+  also counts what crosses the wire: only the active chunk's slices, 4 bytes an element.
+* ``dyadic_split_is_the_concatenated_step``: different small-integer batches per rank
+  and power-of-two SGD scalars, Linear and Embedding only: every sum is exact in fp32
+  in any order, so DP equals one process stepping the concatenated batch, bitwise; a
+  rank stepping alone (no reduction) does not.
+* ``split_batch_deviation``: different generic batches per rank: the ranks end with
+  the same bits (they step one averaged gradient), and their distance to one process
+  stepping the concatenated batch is measured, not hidden: the concatenated step sums
+  all tokens in one order, the DP step sums each rank's tokens and then the two sums.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import forge_kernels as fk
+from forge_kernels.chunkft import data_parallel
+
+from ..checks.chunkft import ChunkProblem
+from ..numerics.bits import assert_bitwise_equal, int_view, ulp_distance
+
+
+def _loss(model, tokens, targets, vocab):
+    logits = model(tokens)
+    return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+
+
+def _params(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def equal_data_is_the_single_process_step(problem: ChunkProblem, rule, regime, chunks, split, steps):
+    """Job: DP ChunkFT on the same batches as the single-process run, bitwise after every
+    step; returns [(bytes all-reduced, ctl.reduced_bytes(chunk), local elements of the
+    chunk)] per step."""
+    batches = problem.batches(steps)
+    options = dict(split=split, seed=regime.seed, state_format=regime.state_format, rounding=regime.rounding)
+    dp_model, alone_model = problem.model(regime.weight), problem.model(regime.weight)
+    dp = fk.ChunkFT(dp_model, copy.deepcopy(rule), chunks, process_group=dist.group.WORLD, **options)
+    alone = fk.ChunkFT(alone_model, copy.deepcopy(rule), chunks, **options)
+    sent, original = [], data_parallel.average_over_ranks
+
+    def counted(grad, group):  # what this rank puts on the wire
+        sent.append(grad.numel() * grad.element_size())
+        return original(grad, group)
+    data_parallel.average_over_ranks = counted
+    wire = []
+    try:
+        for t, (tokens, targets) in enumerate(batches):
+            chunk = dp.active_chunk
+            sent.clear()
+            dp.step(lambda: _loss(dp_model, tokens, targets, problem.vocab))
+            alone.step(lambda: _loss(alone_model, tokens, targets, problem.vocab))
+            params = dict(dp_model.named_parameters())
+            elements = sum((stop - start) * (params[name].shape[1 - dim] if params[name].dim() == 2 else 1)
+                           for name, dim, start, stop in dp.local_slices(chunk))
+            wire.append((sum(sent), dp.reduced_bytes(chunk), elements))
+            what = f"rank {dist.get_rank()}, step {t}, chunk {chunk} [{regime.describe()}; {split}; {rule!r}]"
+            for (name, a), b in zip(dp_model.named_parameters(), alone_model.parameters(), strict=True):
+                assert_bitwise_equal(a.detach(), b.detach(), f"{what}: {name!r}, DP vs single process")
+            for name, state in dp.chunk_state(chunk).items():
+                for slot, tensor in state.items():
+                    assert_bitwise_equal(tensor, alone.chunk_state(chunk)[name][slot], f"{what}: state {name} {slot}")
+    finally:
+        data_parallel.average_over_ranks = original
+    return wire
+
+
+class DyadicModel(nn.Module):
+    """Embedding → Linear with bias → Linear, small-integer weights: on small-integer
+    inputs every product and sum of the forward and backward is an exact fp32 value."""
+
+    def __init__(self, vocab, width, hidden, out, seed):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed, self.up, self.down = nn.Embedding(vocab, width), nn.Linear(width, hidden), nn.Linear(hidden, out)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-2, 3, p.shape, generator=gen).float())
+
+    def forward(self, tokens):
+        return self.down(self.up(self.embed(tokens)))
+
+
+def _dyadic_batches(steps, world, length, vocab, out, seed):
+    """Per step, each rank's (tokens, output weights): the linear loss Σ model(tokens) ⊙ G."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randint(0, vocab, (1, length), generator=gen),
+              torch.randint(-2, 3, (1, length, out), generator=gen).float()) for _ in range(world)]
+            for _ in range(steps)]
+
+
+def dyadic_split_is_the_concatenated_step(chunks, split, steps, seed=0):
+    """Job: {"dp_vs_concatenated": max ulp, "alone_vs_concatenated": max ulp} over the
+    parameters after ``steps`` steps (SGD lr 2⁻⁴, momentum ½, weight decay 2⁻³)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    vocab, width, hidden, out, length = 7, 6, 5, 4, 3
+    batches = _dyadic_batches(steps, world, length, vocab, out, seed)
+    rule = lambda: fk.SGD(lr=2**-4, momentum=0.5, weight_decay=2**-3)  # noqa: E731
+    models = {run: DyadicModel(vocab, width, hidden, out, seed) for run in ("dp", "alone", "concatenated")}
+    ctls = {"dp": fk.ChunkFT(models["dp"], rule(), chunks, split=split, process_group=dist.group.WORLD),
+            "alone": fk.ChunkFT(models["alone"], rule(), chunks, split=split),
+            "concatenated": fk.ChunkFT(models["concatenated"], rule(), chunks, split=split)}
+    for per_rank in batches:
+        tokens, weights = per_rank[rank]
+        all_tokens = torch.cat([t for t, _ in per_rank])
+        all_weights = torch.cat([w for _, w in per_rank])
+        # The concatenated loss is the mean over ranks of the ranks' losses (÷ world: exact
+        # for a power of two), the objective whose gradient DP averages.
+        ctls["dp"].step(lambda: (models["dp"](tokens) * weights).sum())
+        ctls["alone"].step(lambda: (models["alone"](tokens) * weights).sum())
+        ctls["concatenated"].step(lambda: (models["concatenated"](all_tokens) * all_weights).sum() / world)
+    reference = _params(models["concatenated"])
+    return {f"{run}_vs_concatenated": max(int(ulp_distance(p, reference[name]).abs().max())
+                                          for name, p in _params(models[run]).items())
+            for run in ("dp", "alone")}
+
+
+def split_batch_deviation(problem: ChunkProblem, rule, chunks, split, steps):
+    """Job: each rank steps its own sequence of the problem's batches (batch = world size);
+    returns {"digest": the parameters' bits, "max_ulp", "relative"}: the DP run against one
+    process stepping the whole batch (``relative``: ‖Δ‖ / ‖the reference's change‖)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if problem.batch != world:
+        raise ValueError(f"split_batch_deviation gives each of the {world} ranks one sequence: batch must be {world}")
+    batches = problem.batches(steps)
+    dp_model, whole_model = problem.model(), problem.model()
+    start = _params(whole_model)
+    dp = fk.ChunkFT(dp_model, copy.deepcopy(rule), chunks, split=split, process_group=dist.group.WORLD)
+    whole = fk.ChunkFT(whole_model, copy.deepcopy(rule), chunks, split=split)
+    for tokens, targets in batches:
+        dp.step(lambda: _loss(dp_model, tokens[rank:rank + 1], targets[rank:rank + 1], problem.vocab))
+        whole.step(lambda: _loss(whole_model, tokens, targets, problem.vocab))
+    a, b = _params(dp_model), _params(whole_model)
+    change = torch.cat([(b[n] - start[n]).flatten() for n in b]).norm()
+    return {"digest": [int_view(p).tolist() for p in a.values()],
+            "max_ulp": max(int(ulp_distance(a[n], b[n]).abs().max()) for n in a),
+            "relative": float(torch.cat([(a[n] - b[n]).flatten() for n in a]).norm() / change)}
