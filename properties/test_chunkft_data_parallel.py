@@ -43,3 +43,8 @@ def test_split_generic_batches_leave_every_rank_with_the_same_bits(rank_pool):
     # order than the whole batch's (README's ChunkFT section records the figures).
     print(f"DP vs one process on the whole batch: {results[0]['max_ulp']} ulp max, "
           f"relative {results[0]['relative']:.2e}")
+
+
+def test_ranks_configured_differently_are_refused_on_every_rank(rank_pool):
+    for error in rank_pool(WORLD_SIZE).run(jobs.differing_configuration_is_refused):
+        assert error is not None and "configured differently on ranks [1]" in error, error

@@ -147,3 +147,14 @@ def split_batch_deviation(problem: ChunkProblem, rule, chunks, split, steps):
     return {"digest": [int_view(p).tolist() for p in a.values()],
             "max_ulp": max(int(ulp_distance(a[n], b[n]).abs().max()) for n in a),
             "relative": float(torch.cat([(a[n] - b[n]).flatten() for n in a]).norm() / change)}
+
+
+def differing_configuration_is_refused():
+    """Job: a controller whose chunk count differs between the ranks; returns the error
+    each rank raised (every rank must refuse, none may hang in a collective)."""
+    model = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=0).model()
+    try:
+        fk.ChunkFT(model, fk.SGD(lr=0.1), 2 + dist.get_rank(), process_group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return None
