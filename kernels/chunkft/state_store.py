@@ -30,6 +30,7 @@ class ChunkStates:
     def __init__(self, host_store: bool, prefetch: bool):
         self.host_store, self.prefetch = host_store, prefetch
         self._states = {}
+        self._offloaded = set()  # keys whose state is in the host store
         self._side_stream = None
         self._prefetch_done = None  # CUDA event: the side stream's copies have finished
         self._offload_done = None   # CUDA event: the last offload's copies have finished
@@ -57,15 +58,16 @@ class ChunkStates:
 
     def replace(self, states: dict) -> None:
         self.readable()
-        self._states, self.prefetched = states, None
+        self._states, self.prefetched, self._offloaded = states, None, set()
 
     def nbytes(self) -> dict:
-        """{"device": bytes, "host": bytes} of the states held, by where they are."""
+        """{"device": bytes, "host": bytes} of the states held: "host" those in the host
+        store (offloaded), "device" the rest, on their parameters' devices (on a CPU-only
+        machine both are host memory; the split still says what a GPU would hold)."""
         out = {"device": 0, "host": 0}
-        for state in self._states.values():
-            for tensor in state.values():
-                where = "host" if self.host_store and tensor.device.type == "cpu" else "device"
-                out[where] += tensor.numel() * tensor.element_size()
+        for key, state in self._states.items():
+            where = "host" if key in self._offloaded else "device"
+            out[where] += sum(t.numel() * t.element_size() for t in state.values())
         return out
 
     def _wait_prefetch(self):
@@ -76,6 +78,7 @@ class ChunkStates:
     def to_device(self, keys, device_of) -> None:
         """Bring these states to their parameters' devices (nothing to do if prefetched)."""
         for key in keys:
+            self._offloaded.discard(key)
             if key in self._states:
                 device = device_of(key)
                 self._states[key] = {slot: t if t.device == device else t.to(device)
@@ -89,6 +92,7 @@ class ChunkStates:
         for key in keys:
             if key in self._states:
                 self._states[key] = {slot: _to_host(t) for slot, t in self._states[key].items()}
+                self._offloaded.add(key)
         if device is not None:
             self._offload_done = torch.cuda.current_stream(device).record_event()
 
@@ -99,6 +103,7 @@ class ChunkStates:
         keys = [key for key in keys if key in self._states]
         if not keys:
             return
+        self._offloaded.difference_update(keys)
         device = next((device_of(key) for key in keys if device_of(key).type == "cuda"), None)
         if device is None:
             for key in keys:
