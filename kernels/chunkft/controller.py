@@ -40,17 +40,31 @@ def tensor_seed(seed: int, index: int) -> int:
     return (seed + index * _SEED_STRIDE) % 2**63
 
 
+def _autocast_dtype(device_type):
+    """The dtype torch.autocast runs matmuls in on ``device_type``, or None outside it."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ctl, module):
+        # Under autocast, cast as autocast's linear does and keep the cast operands: the
+        # output and dX are then autocast's, and the kernel steps the slice from the same
+        # bf16 activations that autocast's own weight gradient would use.
+        ctx.input_dtype = x.dtype
+        dtype = _autocast_dtype(x.device.type)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.ctl, ctx.module = ctl, module
-        return F.linear(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dx = (dy @ weight).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         ctx.ctl._linear_step(ctx.module, x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
         return dx, None, None, None, None
 
@@ -81,6 +95,7 @@ class _NormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ctl, module):
         ctx.save_for_backward(x, weight, bias)
         ctx.ctl, ctx.module = ctl, module
+        ctx.autocast = _autocast_dtype(x.device.type)  # dX is recomputed under the same casts
         return _norm(module, x, weight, bias)
 
     @staticmethod
@@ -90,7 +105,8 @@ class _NormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # torch's own backward of the same op, with the parameters as constants: dX bit
             # for bit as the unmodified module's (tests/test_chunkft.py).
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
+                                                      enabled=ctx.autocast is not None):
                 leaf = x.detach().requires_grad_()
                 out = _norm(ctx.module, leaf, weight.detach() if weight is not None else None,
                             bias.detach() if bias is not None else None)
