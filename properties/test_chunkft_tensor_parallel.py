@@ -2,16 +2,20 @@
 steps their intersection with its shard (column-parallel rows and bias rows,
 row-parallel columns), keyed on global indices: each rank's weights are the unsharded
 ChunkFT run's slice, bitwise, after every step (ranks simulated in one process, each
-given the operands the tensor-parallel layers deliver)."""
+given the operands the tensor-parallel layers deliver), and on 2 gloo ranks with the
+collectives in the graph."""
 
 import pytest
 import torch
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
+import forge_kernels as fk
 from forge_verify.checks import chunkft_shards
 from forge_verify.checks import strategies as fst
 from forge_verify.checks.observations import observe
+from forge_verify.checks.problems import Regime
+from forge_verify.distributed import chunkft_jobs
 
 pytestmark = pytest.mark.exactness
 
@@ -40,3 +44,13 @@ def test_sharded_chunk_steps_are_the_slices_of_the_unsharded_steps(data):
         assert "empty" in str(error), error
         reject()
     observe(0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("regime, split", [(Regime(), "rows"), (Regime(), "cols"),
+                                           (Regime(weight=torch.bfloat16, state_format="bf16", seed=6), "cols")],
+                         ids=["fp32-rows", "fp32-cols", "bf16-stochastic-cols"])
+def test_tensor_parallel_ranks_with_their_collectives_step_the_unsharded_slices(regime, split, rank_pool):
+    """The same claim on 2 gloo ranks, with the collectives in the autograd graph."""
+    rank_pool(2).run(chunkft_jobs.tp_layers_are_slices_of_unsharded, fk.AdamW(lr=1e-2, weight_decay=0.1), regime,
+                     split, 3)

@@ -26,15 +26,15 @@ class ColumnThenRow(nn.Module):
     """A column-parallel Linear with bias (``up``) and a row-parallel one with a replicated
     bias (``down``), each fed its own operands: forward(x_up, x_down)."""
 
-    def __init__(self, inputs, hidden, outputs):
+    def __init__(self, inputs, hidden, outputs, down_bias=True):
         super().__init__()
-        self.up, self.down = nn.Linear(inputs, hidden), nn.Linear(hidden, outputs)
+        self.up, self.down = nn.Linear(inputs, hidden), nn.Linear(hidden, outputs, bias=down_bias)
 
     def forward(self, x_up, x_down):
         return self.up(x_up), self.down(x_down)
 
 
-def _bounds(size, world, rank):
+def bounds(size, world, rank):
     # torch.chunk's split, from torch.chunk itself (not the library's chunk_bounds)
     parts = torch.arange(size).chunk(world)
     if rank >= len(parts):
@@ -45,7 +45,7 @@ def _bounds(size, world, rank):
 def _shard(model, world, rank):
     """(local model, shards) for ``rank``: up's rows and bias rows, down's columns."""
     hidden = model.up.out_features
-    r0, r1 = _bounds(hidden, world, rank)
+    r0, r1 = bounds(hidden, world, rank)
     local = ColumnThenRow(model.up.in_features, r1 - r0, model.down.out_features).to(model.up.weight.dtype)
     with torch.no_grad():
         local.up.weight.copy_(model.up.weight[r0:r1])

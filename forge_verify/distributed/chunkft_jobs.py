@@ -11,6 +11,12 @@ Every rank builds the same seeded model and controller with ``process_group`` th
   and power-of-two SGD scalars, Linear and Embedding only: every sum is exact in fp32
   in any order, so DP equals one process stepping the concatenated batch, bitwise; a
   rank stepping alone (no reduction) does not.
+* ``tp_layers_are_slices_of_unsharded``: tensor parallelism with the collectives in the
+  graph (Megatron's copy-to and reduce-from-parallel-region Functions, as
+  ``forge_kernels.parallel_linear`` uses them), each rank's ChunkFT stepping its shards:
+  its weights are the unsharded ChunkFT run's slices, bitwise, after every step. The
+  loss is linear in each layer's output, so every dY is the loss's own weights (the
+  row-parallel all-reduce reorders the forward's sums, but no gradient reads them).
 * ``split_batch_deviation``: different generic batches per rank: the ranks end with
   the same bits (they step one averaged gradient), and their distance to one process
   stepping the concatenated batch is measured, not hidden: the concatenated step sums
@@ -28,6 +34,7 @@ import forge_kernels as fk
 from forge_kernels.chunkft import data_parallel
 
 from ..checks.chunkft import ChunkProblem
+from ..checks.chunkft_shards import ColumnThenRow, bounds
 from ..numerics.bits import assert_bitwise_equal, int_view, ulp_distance
 
 
@@ -158,3 +165,61 @@ def differing_configuration_is_refused():
     except ValueError as error:
         return str(error)
     return None
+
+
+class _TensorParallel(nn.Module):
+    """This rank's part of ``ColumnThenRow`` (no down bias): up's rows (input copied to the
+    parallel region, its gradient all-reduced) and down's columns (partial outputs
+    all-reduced). The inputs arrive whole; down takes this rank's columns of its input."""
+
+    def __init__(self, whole, rows):
+        super().__init__()
+        r0, r1 = rows
+        self.rows = rows
+        self.up = nn.Linear(whole.up.in_features, r1 - r0)
+        self.down = nn.Linear(r1 - r0, whole.down.out_features, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(whole.up.weight[r0:r1])
+            self.up.bias.copy_(whole.up.bias[r0:r1])
+            self.down.weight.copy_(whole.down.weight[:, r0:r1])
+
+    def forward(self, x_up, x_down):
+        from forge_kernels.parallel_linear import _CopyToParallelRegion, _ReduceFromParallelRegion
+        group = dist.group.WORLD
+        r0, r1 = self.rows
+        up = self.up(_CopyToParallelRegion.apply(x_up, group))
+        return up, _ReduceFromParallelRegion.apply(self.down(x_down[:, r0:r1]), group)
+
+
+def tp_layers_are_slices_of_unsharded(rule, regime, split, chunks, inputs=5, hidden=7, outputs=4, tokens=3, seed=0):
+    """Job: 2·chunks steps of the tensor-parallel layers and of the unsharded ones on
+    every rank; raises at the first local weight not bitwise the unsharded slice."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    whole = ColumnThenRow(inputs, hidden, outputs, down_bias=False).to(regime.weight)
+    r0, r1 = bounds(hidden, world, rank)
+    local = _TensorParallel(whole, (r0, r1)).to(regime.weight)
+    shards = {"up.weight": fk.WeightSlice(r0, 0, (hidden, inputs)), "up.bias": fk.WeightSlice(0, r0, (1, hidden)),
+              "down.weight": fk.WeightSlice(0, r0, (outputs, hidden))}
+    options = dict(split=split, seed=regime.seed, state_format=regime.state_format, rounding=regime.rounding)
+    local_ctl = fk.ChunkFT(local, copy.deepcopy(rule), chunks, shards=shards, **options)
+    whole_ctl = fk.ChunkFT(whole, copy.deepcopy(rule), chunks, **options)
+    gen = torch.Generator().manual_seed(seed + 1)
+    draw = lambda *shape: torch.randn(*shape, generator=gen).to(regime.weight)  # noqa: E731
+    for t in range(2 * chunks):
+        x_up, g_up, x_down, g_down = draw(tokens, inputs), draw(tokens, hidden), draw(tokens, hidden), draw(
+            tokens, outputs)
+
+        def local_loss():
+            up, down = local(x_up, x_down)
+            return (up * g_up[:, r0:r1]).sum() + (down * g_down).sum()
+
+        def whole_loss():
+            up, down = whole(x_up, x_down)
+            return (up * g_up).sum() + (down * g_down).sum()
+        local_ctl.step(local_loss)
+        whole_ctl.step(whole_loss)
+        what = f"rank {rank}, step {t} [{rule!r}; {regime.describe()}; split={split}; rows/cols {r0}:{r1}]"
+        assert_bitwise_equal(local.up.weight.detach(), whole.up.weight.detach()[r0:r1], f"{what}: up.weight")
+        assert_bitwise_equal(local.up.bias.detach(), whole.up.bias.detach()[r0:r1], f"{what}: up.bias")
+        assert_bitwise_equal(local.down.weight.detach(), whole.down.weight.detach()[:, r0:r1], f"{what}: down.weight")
