@@ -45,6 +45,7 @@ def test_split_generic_batches_leave_every_rank_with_the_same_bits(rank_pool):
           f"relative {results[0]['relative']:.2e}")
 
 
-def test_ranks_configured_differently_are_refused_on_every_rank(rank_pool):
-    for error in rank_pool(WORLD_SIZE).run(jobs.differing_configuration_is_refused):
-        assert error is not None and "configured differently on ranks [1]" in error, error
+def test_ranks_configured_differently_or_with_other_weights_are_refused_on_every_rank(rank_pool):
+    for configuration, weights in rank_pool(WORLD_SIZE).run(jobs.differing_setups_are_refused):
+        assert configuration is not None and "configured differently on ranks [1]" in configuration, configuration
+        assert weights is not None and "needs the same weights on every rank; ['embed.weight'," in weights, weights

@@ -156,15 +156,19 @@ def split_batch_deviation(problem: ChunkProblem, rule, chunks, split, steps):
             "relative": float(torch.cat([(a[n] - b[n]).flatten() for n in a]).norm() / change)}
 
 
-def differing_configuration_is_refused():
-    """Job: a controller whose chunk count differs between the ranks; returns the error
-    each rank raised (every rank must refuse, none may hang in a collective)."""
-    model = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=0).model()
-    try:
-        fk.ChunkFT(model, fk.SGD(lr=0.1), 2 + dist.get_rank(), process_group=dist.group.WORLD)
-    except ValueError as error:
-        return str(error)
-    return None
+def differing_setups_are_refused():
+    """Job: a controller whose chunk count differs between the ranks, then one whose model
+    weights do; returns the errors each rank raised (every rank must refuse, none may
+    hang in a collective)."""
+    errors = []
+    for chunks, seed in ((2 + dist.get_rank(), 0), (2, dist.get_rank())):
+        model = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=seed).model()
+        try:
+            fk.ChunkFT(model, fk.SGD(lr=0.1), chunks, process_group=dist.group.WORLD)
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
 
 
 class _TensorParallel(nn.Module):

@@ -203,6 +203,7 @@ class ChunkFT(torch.optim.Optimizer):
         self._forwarded = set()
         if process_group is not None:  # before the model is touched: a refusal leaves it as it was
             data_parallel.check_same_on_every_rank(repr(self._describe()), process_group)
+            data_parallel.check_same_weights(self._params, process_group)
         super().__init__(list(self._params.values()), {"lr": rule.lr})
         self._hooks = [param.register_hook(self._outside_gradient(name)) for name, param in self._params.items()]
         for module in self._module_params:

@@ -36,6 +36,25 @@ def check_same_on_every_rank(description: str, group) -> None:
                          "process group (model, rule, chunks, schedule, seed or format): refused")
 
 
+def _checksum(tensor) -> int:
+    """The sum of the tensor's bit patterns as integers: equal bits give equal sums."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[tensor.dtype]
+    return int(tensor.detach().contiguous().view(bits).sum(dtype=torch.int64))
+
+
+def check_same_weights(named_params: dict, group) -> None:
+    """Refuse, on every rank, weights that differ between the ranks (DDP broadcasts rank
+    0's; ChunkFT does not change the model behind the caller's back, it names them)."""
+    ours = [_checksum(p) for p in named_params.values()]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, ours, group=group)
+    differing = sorted({name for theirs in everyone for name, a, b in zip(named_params, theirs, everyone[0])
+                        if a != b})
+    if differing:
+        raise ValueError(f"ChunkFT under data parallelism needs the same weights on every rank; {differing} "
+                         "differ from rank 0's (seed the model alike, or load one checkpoint on every rank)")
+
+
 def average_over_ranks(grad: torch.Tensor, group) -> torch.Tensor:
     """``grad`` (fp32, contiguous) replaced in place by its mean over the group's ranks."""
     dist.all_reduce(grad, group=group)
