@@ -129,7 +129,8 @@ def run(args):
     def loss():
         return model(input_ids=tokens, labels=tokens).loss
 
-    meta = {"shapes": "tiny (smoke)" if args.smoke else "Llama-3-8B", "layers": args.layers, "tokens": args.tokens, "parameters": parameters,
+    meta = {"shapes": "tiny (smoke)" if args.smoke else "Llama-3-8B", "layers": args.layers, "tokens": args.tokens,
+            "parameters": parameters,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)",
             "torch": torch.__version__, "triton": _triton_version(),
             "paper_scaled_gb": round(PAPER_GB * billions / PAPER_BILLIONS, 3)}

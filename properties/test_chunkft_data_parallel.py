@@ -16,8 +16,11 @@ WORLD_SIZE = 2
 FP32, BF16, Q8 = Regime(), Regime(weight=torch.bfloat16, state_format="bf16", seed=3), Regime(state_format="q8", seed=5)
 
 
-@pytest.mark.parametrize("regime, split", [(FP32, "rows"), (FP32, "cols"), (BF16, "rows"), (Q8, "cols")],
-                         ids=["fp32-rows", "fp32-cols", "bf16-stochastic-rows", "q8-cols"])
+# The default tier keeps two cases (about 5 s); the other two are slow only for time.
+@pytest.mark.parametrize("regime, split", [
+    pytest.param(FP32, "rows", id="fp32-rows", marks=pytest.mark.slow), pytest.param(FP32, "cols", id="fp32-cols"),
+    pytest.param(BF16, "rows", id="bf16-stochastic-rows"),
+    pytest.param(Q8, "cols", id="q8-cols", marks=pytest.mark.slow)])
 def test_equal_data_on_every_rank_is_the_single_process_step_bitwise(regime, split, rank_pool):
     wide = regime.state_format == "q8"  # q8 column cuts fall on 32-column blocks
     problem = ChunkProblem(vocab=5, width=40 if wide else 6, hidden=36 if wide else 7, batch=1, length=3, seed=11)

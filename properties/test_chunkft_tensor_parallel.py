@@ -19,9 +19,10 @@ from forge_verify.distributed import chunkft_jobs
 
 pytestmark = pytest.mark.exactness
 
-# Each example steps world + 1 models over two cycles (about 2 s interpreted): a fifth of
-# the profile's examples (the other sharding properties take a quarter).
-EXAMPLES = max(2, settings.default.max_examples // 5)
+# Each example steps world + 1 models over two cycles (about 2 s interpreted): a tenth of
+# the profile's examples, at least one (the other sharding properties take a quarter);
+# the nightly profile runs 30.
+EXAMPLES = max(1, settings.default.max_examples // 10)
 
 
 @settings(max_examples=EXAMPLES)
@@ -47,9 +48,12 @@ def test_sharded_chunk_steps_are_the_slices_of_the_unsharded_steps(data):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("regime, split", [(Regime(), "rows"), (Regime(), "cols"),
-                                           (Regime(weight=torch.bfloat16, state_format="bf16", seed=6), "cols")],
-                         ids=["fp32-rows", "fp32-cols", "bf16-stochastic-cols"])
+# The default tier keeps the case whose bits depend on both the offsets and the rounding
+# keys; the fp32 ones are slow only for time.
+@pytest.mark.parametrize("regime, split", [
+    pytest.param(Regime(), "rows", id="fp32-rows", marks=pytest.mark.slow),
+    pytest.param(Regime(), "cols", id="fp32-cols", marks=pytest.mark.slow),
+    pytest.param(Regime(weight=torch.bfloat16, state_format="bf16", seed=6), "cols", id="bf16-stochastic-cols")])
 def test_tensor_parallel_ranks_with_their_collectives_step_the_unsharded_slices(regime, split, rank_pool):
     """The same claim on 2 gloo ranks, with the collectives in the autograd graph."""
     rank_pool(2).run(chunkft_jobs.tp_layers_are_slices_of_unsharded, fk.AdamW(lr=1e-2, weight_decay=0.1), regime,

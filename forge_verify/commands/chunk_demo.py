@@ -142,5 +142,6 @@ def format_result(result) -> str:
         lines.append(f"| {run} | {r['losses'][0]:.4f} → {sum(last) / len(last):.4f} | {r['held_out_loss']:.4f} | "
                      f"{kept['parameters'] / mib:.3f} + {kept['gradients'] / mib:.3f} + "
                      f"{kept['state_device'] / mib:.3f} / {kept['state_host'] / mib:.3f} | "
-                     f"{kept['state_device_peak'] / mib:.3f} | {'-' if peak is None else f'{peak / mib:.1f}'} | {r['seconds']:.1f} |")
+                     f"{kept['state_device_peak'] / mib:.3f} | {'-' if peak is None else f'{peak / mib:.1f}'} | "
+                     f"{r['seconds']:.1f} |")
     return "\n".join(lines)

@@ -180,7 +180,8 @@ class ChunkFT(torch.optim.Optimizer):
             raise ValueError(f"shards names {sharded}: ChunkFT steps shards of nn.Linear weights and biases only "
                              "(a vocabulary-parallel embedding or a sharded norm is not supported)")
         embeddings = {name for name, (module, _) in self._owner.items() if isinstance(module, nn.Embedding)}
-        global_tensors = [(name, shard_plan.global_tensor(p, self._placements[name])) for name, p in self._params.items()]
+        global_tensors = [(name, shard_plan.global_tensor(p, self._placements[name]))
+                          for name, p in self._params.items()]
         self._costs = tensor_costs(global_tensors, rule, state_format, split, along_rows=embeddings)
         self._plan = plan_chunks(self._costs, chunks)
         # The plan is global; what this rank steps is each piece's part inside its shard.
