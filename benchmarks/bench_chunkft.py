@@ -3,9 +3,7 @@
 The model: a Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig`` with
 Llama-3-8B's shapes (hidden 4096, 32 query and 8 key/value heads, MLP 14336, vocabulary
 128,256, untied head) and ``--layers`` decoder layers (32 in the real model), bf16
-weights, batch 1 x ``--tokens`` tokens, the model's own cross-entropy loss. ChunkFT
-does not slice ``LlamaRMSNorm`` (it slices ``nn.RMSNorm``): each one is replaced by an
-``nn.RMSNorm`` with the same weight and eps before either method runs.
+weights, batch 1 x ``--tokens`` tokens, the model's own cross-entropy loss.
 
 Methods, each on the same model in turn:
 * ``torch AdamW``: ``torch.optim.AdamW(fused=True)`` on every parameter (bf16 gradients
@@ -40,7 +38,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 if "forge_kernels" not in sys.modules:
@@ -80,19 +77,7 @@ def build_model(layers, shapes, device):
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    _replace_rms_norms(model)
     return model.train()
-
-
-def _replace_rms_norms(model):
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__ == "LlamaRMSNorm":
-                norm = nn.RMSNorm(child.weight.shape[0], eps=child.variance_epsilon, device=child.weight.device,
-                                  dtype=child.weight.dtype)
-                with torch.no_grad():
-                    norm.weight.copy_(child.weight)
-                setattr(module, name, norm)
 
 
 def _sync(device):

@@ -27,7 +27,7 @@ from .state_store import ChunkStates
 ORDERS = ("cyclic", "random")
 STATE_STORES = ("device", "host")
 _SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
-_SUPPORTED_NAMES = "nn.Linear, nn.Embedding, nn.LayerNorm and nn.RMSNorm"
+_SUPPORTED_NAMES = "nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm and transformers' LlamaRMSNorm"
 #: the parameters each supported module's forward uses (and ChunkFT steps)
 _ATTRIBUTES = {nn.Linear: ("weight", "bias"), nn.Embedding: ("weight",), nn.LayerNorm: ("weight", "bias"),
                nn.RMSNorm: ("weight",)}
@@ -84,9 +84,17 @@ class _EmbeddingFunction(torch.autograd.Function):
         return None, None, None, None
 
 
+def _is_llama_rms_norm(module) -> bool:
+    """Hugging Face's LlamaRMSNorm, recognised by name (transformers need not be installed)."""
+    kind = type(module)
+    return kind.__name__ == "LlamaRMSNorm" and kind.__module__.startswith("transformers")
+
+
 def _norm(module, x, weight, bias):
     if isinstance(module, nn.LayerNorm):
         return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+    if _is_llama_rms_norm(module):
+        return sliced.llama_rms_norm(x, weight, module.variance_epsilon)
     return F.rms_norm(x, module.normalized_shape, weight, module.eps)
 
 
@@ -368,9 +376,14 @@ class ChunkFT(torch.optim.Optimizer):
         apply_rule(self._reduced(grad.contiguous()), weight[s:e], state, **kwargs)
 
     def _norm_step(self, module, x, dy):
+        dy32 = dy.float()
+        if _is_llama_rms_norm(module):  # x̂ is rounded to the input's dtype before the weight multiplies it
+            self._vector_step(module, "weight", lambda s, e: sliced.norm_weight_grad(
+                x, dy32, s, e, "llama_rms_norm", module.variance_epsilon))
+            return
         kind = "layer_norm" if isinstance(module, nn.LayerNorm) else "rms_norm"
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        x32, dy32 = x.float(), dy.float()
+        x32 = x.float()
         self._vector_step(module, "weight", lambda s, e: sliced.norm_weight_grad(x32, dy32, s, e, kind, eps))
         self._vector_step(module, "bias", lambda s, e: sliced.bias_grad(dy32, s, e))
 
@@ -507,13 +520,15 @@ def _trainable(model):
                 continue
             name = f"{module_name}.{attr}" if module_name else attr
             kind = type(module)
-            if kind not in _SUPPORTED:
+            llama_norm = _is_llama_rms_norm(module)
+            if kind not in _SUPPORTED and not llama_norm:
                 problems.append(f"{name!r} ({kind.__name__}: ChunkFT slices parameters of {_SUPPORTED_NAMES} "
                                 "only, not subclasses)")
                 continue
-            if attr not in _ATTRIBUTES[kind]:
+            attributes = ("weight",) if llama_norm else _ATTRIBUTES[kind]
+            if attr not in attributes:
                 problems.append(f"{name!r} (a parameter {kind.__name__} does not have of its own: ChunkFT steps "
-                                f"{' and '.join(_ATTRIBUTES[kind])} only)")
+                                f"{' and '.join(attributes)} only)")
                 continue
             if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
                 problems.append(f"{name!r} (Embedding with max_norm or sparse=True)")
