@@ -8,6 +8,10 @@ loop as the fused kernel, ``weight_gradient``), all-reduces it, divides by the w
 size (DDP's average) and applies the same epilogue (``apply_rule``): the oracle path,
 whose bits equal the fused step's on the same gradient. Only the active chunk's slices
 cross the wire: 4 bytes per element of them per step.
+
+This is ``token_split.materialized_split_step``'s path with two differences: it averages
+(DDP's convention, so each rank's loss stays a mean over its own batch) where token_split
+sums, and it reduces the Embedding, norm and bias slices' gradients too.
 """
 
 import torch
