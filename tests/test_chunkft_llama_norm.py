@@ -1,7 +1,7 @@
 """ChunkFT slices transformers' LlamaRMSNorm: its sliced weight gradient is autograd's
 slice (float64, ≤ 1e-12 relative: only the token sum's order differs), and at model
-level the forward and dX are the module's own, bitwise, and an SGD step moves the weight
-by lr × autograd's gradient."""
+level the forward and dX are the module's own, bitwise, an SGD step moves the weight by
+lr × autograd's gradient, and a chunk step is the dense step on its slices, bitwise."""
 
 import pytest
 import torch
@@ -9,6 +9,8 @@ from torch import nn
 
 import forge_kernels as fk
 from forge_kernels.chunkft import sliced
+from forge_verify.checks import chunkft
+from forge_verify.checks.problems import Regime
 from forge_verify.numerics.bits import int_view
 
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -68,3 +70,22 @@ def test_forward_input_gradient_and_sgd_step_follow_the_module(dtype, norm_dtype
     if norm_dtype == torch.float32:  # a bf16 weight rounds the step itself
         moved = (plain.norm.weight.detach() - chunked.norm.weight.detach()).double() / 0.25
         assert _relative(moved, plain.norm.weight.grad.double()) < 1e-5
+
+
+class _LlamaNormProblem(chunkft.ChunkProblem):
+    """The properties' tiny model with its nn.RMSNorm swapped for a LlamaRMSNorm."""
+
+    def model(self, dtype=torch.float32):
+        model = super().model(dtype)
+        norm = modeling_llama.LlamaRMSNorm(self.hidden, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(model.rms.weight)
+        model.rms = norm
+        return model
+
+
+def test_chunk_step_is_the_dense_step_on_llama_norm_slices():
+    problem = _LlamaNormProblem(vocab=6, width=5, hidden=9, batch=1, length=3, seed=2)
+    # 5 chunks cut the norm's weight at 2 (chunks 1 and 2 each hold part of it).
+    chunkft.chunk_step_matches_dense(problem, fk.AdamW(lr=1e-2), Regime(weight=torch.bfloat16, state_format="bf16",
+                                                                        seed=7), 5, "rows", cycles=1)
