@@ -119,7 +119,7 @@ def _plot(result, path):
         ax.plot(range(1, len(losses) + 1), losses, label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (cross-entropy, nats)")
-    ax.set_title(f"tiny GPT, ChunkFT vs full AdamW ({result['backend']})")
+    ax.set_title(f"tiny GPT, ChunkFT vs full AdamW, {result['backend']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
