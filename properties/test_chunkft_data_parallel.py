@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import forge_kernels as fk
+from forge_verify.checks.catalog import CATALOG
 from forge_verify.checks.chunkft import ChunkProblem
 from forge_verify.checks.problems import Regime
 from forge_verify.distributed import chunkft_jobs as jobs
@@ -24,11 +25,23 @@ FP32, BF16, Q8 = Regime(), Regime(weight=torch.bfloat16, state_format="bf16", se
 def test_equal_data_on_every_rank_is_the_single_process_step_bitwise(regime, split, rank_pool):
     wide = regime.state_format == "q8"  # q8 column cuts fall on 32-column blocks
     problem = ChunkProblem(vocab=5, width=40 if wide else 6, hidden=36 if wide else 7, batch=1, length=3, seed=11)
+    # The bf16 case runs DP on the host store with prefetch: the options compose.
+    dp_options = dict(state_store="host", prefetch=True) if regime is BF16 else None
     for rank, wire in enumerate(rank_pool(WORLD_SIZE).run(jobs.equal_data_is_the_single_process_step, problem,
-                                                         fk.AdamW(lr=1e-2, weight_decay=0.1), regime, 3, split, 4)):
+                                                         fk.AdamW(lr=1e-2, weight_decay=0.1), regime, 3, split, 4,
+                                                         dp_options)):
         # Only the active chunk's local slices cross the wire, as fp32.
         for sent, announced, elements in wire:
             assert sent == announced == 4 * elements, (rank, wire)
+
+
+@pytest.mark.slow  # one rule family per case, about 1 s each
+@pytest.mark.parametrize("family", [entry.name for entry in CATALOG])
+def test_equal_data_is_the_single_process_step_for_every_rule_family(family, rank_pool):
+    rule = next(entry.sharding for entry in CATALOG if entry.name == family)
+    problem = ChunkProblem(vocab=5, width=6, hidden=7, batch=1, length=3, seed=12)
+    rank_pool(WORLD_SIZE).run(jobs.equal_data_is_the_single_process_step, problem, rule, BF16, 3, "cols", 4,
+                              dict(state_store="host", prefetch=True))
 
 
 @pytest.mark.parametrize("split", ["rows", "cols"])

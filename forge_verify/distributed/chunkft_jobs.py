@@ -47,14 +47,16 @@ def _params(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def equal_data_is_the_single_process_step(problem: ChunkProblem, rule, regime, chunks, split, steps):
-    """Job: DP ChunkFT on the same batches as the single-process run, bitwise after every
-    step; returns [(bytes all-reduced, ctl.reduced_bytes(chunk), local elements of the
-    chunk)] per step."""
+def equal_data_is_the_single_process_step(problem: ChunkProblem, rule, regime, chunks, split, steps,
+                                          dp_options=None):
+    """Job: DP ChunkFT (with ``dp_options``, e.g. the host store and prefetch) on the same
+    batches as the single-process run (device store), bitwise after every step; returns
+    [(bytes all-reduced, ctl.reduced_bytes(chunk), local elements of the chunk)] per step."""
     batches = problem.batches(steps)
     options = dict(split=split, seed=regime.seed, state_format=regime.state_format, rounding=regime.rounding)
     dp_model, alone_model = problem.model(regime.weight), problem.model(regime.weight)
-    dp = fk.ChunkFT(dp_model, copy.deepcopy(rule), chunks, process_group=dist.group.WORLD, **options)
+    dp = fk.ChunkFT(dp_model, copy.deepcopy(rule), chunks, process_group=dist.group.WORLD, **options,
+                    **(dp_options or {}))
     alone = fk.ChunkFT(alone_model, copy.deepcopy(rule), chunks, **options)
     sent, original = [], data_parallel.average_over_ranks
 
