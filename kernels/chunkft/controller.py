@@ -207,7 +207,7 @@ class ChunkFT(torch.optim.Optimizer):
             self._module_params.setdefault(module, {})[attr] = name
         self._t = 0
         self._chunk_steps = [0] * chunks
-        self._states = ChunkStates(state_store == "host", prefetch)
+        self._states = ChunkStates(prefetch)
         self._phase = None
         self._forwarded = set()
         if process_group is not None:  # before the model is touched: a refusal leaves it as it was

@@ -7,7 +7,7 @@ moments as bf16, a lossy round). With ``prefetch``, the next chunk's state is co
 to the device as soon as a step ends, so that the copy overlaps the next forward: on
 CUDA on a side stream, non-blocking from pinned memory, the compute stream waiting on
 it only when the backward first reads the state; on the CPU the same code makes the
-same fresh copies synchronously (tests/test_chunkft_prefetch.py compares the bits).
+same fresh copies synchronously (tests/test_chunkft_parallel.py compares the bits).
 """
 
 import torch
@@ -27,12 +27,13 @@ def _to_host(tensor):
 class ChunkStates:
     """{(parameter name, chunk): {slot: tensor}} and the moves between host and device."""
 
-    def __init__(self, host_store: bool, prefetch: bool):
-        self.host_store, self.prefetch = host_store, prefetch
+    def __init__(self, prefetch: bool):
+        self.prefetch = prefetch
         self._states = {}
         self._offloaded = set()  # keys whose state is in the host store
         self._side_stream = None
         self._prefetch_done = None  # CUDA event: the side stream's copies have finished
+        self._prefetch_done_device = None
         self._offload_done = None   # CUDA event: the last offload's copies have finished
         #: the chunk whose state was copied ahead to the device (None: none in flight or kept)
         self.prefetched = None
