@@ -1,4 +1,5 @@
-"""ChunkFT under data parallelism, as rank jobs (properties/test_chunkft_data_parallel.py).
+"""ChunkFT under data and tensor parallelism, as rank jobs (properties/test_chunkft_data_parallel.py,
+properties/test_chunkft_tensor_parallel.py).
 
 Every rank builds the same seeded model and controller with ``process_group`` the world.
 
