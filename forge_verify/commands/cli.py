@@ -15,7 +15,7 @@ from ..checks.problems import Problem
 from ..checks.profiles import PROFILE_VARIABLE
 from ..distributed.parallel_verdicts import record_parallel_verdicts
 from ..gate import baseline as gate
-from . import demo, report
+from . import chunk_demo, demo, report
 from .check import DETAILS, run_check
 from .sharding_report import sharding_report
 
@@ -49,6 +49,15 @@ def main(argv=None) -> int:
                              help="model and batch size (default small)")
     demo_parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's)")
     demo_parser.add_argument("--out", default=None, help="output folder (default: $OUT, else ./demo_out)")
+    chunk = commands.add_parser("chunk-demo", help="fine-tune the tiny GPT with ChunkFT and with full "
+                                                   "torch.optim.AdamW: loss curves and memory; writes a plot")
+    chunk.add_argument("--steps", type=int, default=chunk_demo.DEFAULT_STEPS,
+                       help=f"training steps (default {chunk_demo.DEFAULT_STEPS})")
+    chunk.add_argument("--chunks", type=int, default=chunk_demo.DEFAULT_CHUNKS,
+                       help=f"ChunkFT chunks (default {chunk_demo.DEFAULT_CHUNKS})")
+    chunk.add_argument("--state-store", choices=("device", "host"), default="host",
+                       help="where inactive chunks' state lives (default host, prefetched)")
+    chunk.add_argument("--out", default=None, help="output folder (default: $OUT, else ./demo_out)")
     sharding = commands.add_parser("sharding", help="measure TP/SP against the unsharded model, and data/context "
                                                     "parallelism and accumulation against the true step, on N ranks")
     sharding.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
@@ -81,6 +90,12 @@ def main(argv=None) -> int:
         print(demo.format_result(result))
         print(f"wrote {os.path.join(out, 'demo.json')} and {os.path.join(out, 'demo_loss.png')}")
         return 0 if result["fused_equals_oracle_bitwise"] else 1
+    if args.command == "chunk-demo":
+        out = args.out or demo.default_out()
+        result = chunk_demo.run_chunk_demo(args.steps, args.chunks, out=out, state_store=args.state_store)
+        print(chunk_demo.format_result(result))
+        print(f"wrote {os.path.join(out, 'chunk_demo.json')} and {os.path.join(out, 'chunk_demo_loss.png')}")
+        return 0
     if args.command == "sharding":
         if args.record:
             print(record_parallel_verdicts(args.record, args.ranks))

@@ -17,15 +17,17 @@ from torch import nn
 
 from ..ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from ..ops.stochastic_round import check_seed
+from ..ops.weight_gradient import weight_gradient
 from ..rules.base import Rule
-from ..weight_slice import WeightSlice
-from . import sliced
+from . import data_parallel, sliced
+from . import shards as shard_plan
 from .plan import SPLITS, plan_chunks, tensor_costs
+from .state_store import ChunkStates
 
 ORDERS = ("cyclic", "random")
 STATE_STORES = ("device", "host")
 _SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
-_SUPPORTED_NAMES = "nn.Linear, nn.Embedding, nn.LayerNorm and nn.RMSNorm"
+_SUPPORTED_NAMES = "nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm and transformers' LlamaRMSNorm"
 #: the parameters each supported module's forward uses (and ChunkFT steps)
 _ATTRIBUTES = {nn.Linear: ("weight", "bias"), nn.Embedding: ("weight",), nn.LayerNorm: ("weight", "bias"),
                nn.RMSNorm: ("weight",)}
@@ -38,17 +40,31 @@ def tensor_seed(seed: int, index: int) -> int:
     return (seed + index * _SEED_STRIDE) % 2**63
 
 
+def _autocast_dtype(device_type):
+    """The dtype torch.autocast runs matmuls in on ``device_type``, or None outside it."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ctl, module):
+        # Under autocast, cast as autocast's linear does and keep the cast operands: the
+        # output and dX are then autocast's, and the kernel steps the slice from the same
+        # bf16 activations that autocast's own weight gradient would use.
+        ctx.input_dtype = x.dtype
+        dtype = _autocast_dtype(x.device.type)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.ctl, ctx.module = ctl, module
-        return F.linear(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dx = (dy @ weight).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         ctx.ctl._linear_step(ctx.module, x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
         return dx, None, None, None, None
 
@@ -68,9 +84,17 @@ class _EmbeddingFunction(torch.autograd.Function):
         return None, None, None, None
 
 
+def _is_llama_rms_norm(module) -> bool:
+    """Hugging Face's LlamaRMSNorm, recognised by name (transformers need not be installed)."""
+    kind = type(module)
+    return kind.__name__ == "LlamaRMSNorm" and kind.__module__.startswith("transformers")
+
+
 def _norm(module, x, weight, bias):
     if isinstance(module, nn.LayerNorm):
         return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+    if _is_llama_rms_norm(module):
+        return sliced.llama_rms_norm(x, weight, module.variance_epsilon)
     return F.rms_norm(x, module.normalized_shape, weight, module.eps)
 
 
@@ -79,6 +103,7 @@ class _NormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ctl, module):
         ctx.save_for_backward(x, weight, bias)
         ctx.ctl, ctx.module = ctl, module
+        ctx.autocast = _autocast_dtype(x.device.type)  # dX is recomputed under the same casts
         return _norm(module, x, weight, bias)
 
     @staticmethod
@@ -88,7 +113,8 @@ class _NormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # torch's own backward of the same op, with the parameters as constants: dX bit
             # for bit as the unmodified module's (tests/test_chunkft.py).
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
+                                                      enabled=ctx.autocast is not None):
                 leaf = x.detach().requires_grad_()
                 out = _norm(ctx.module, leaf, weight.detach() if weight is not None else None,
                             bias.detach() if bias is not None else None)
@@ -112,7 +138,15 @@ class ChunkFT(torch.optim.Optimizer):
     value) on the chunk's first visit and kept across cycles; each chunk counts its own
     steps, so bias corrections are right for every chunk. ``state_store="host"`` moves an
     inactive chunk's state to host memory (pinned when CUDA is available) in its own
-    format, losslessly.
+    format, losslessly; ``prefetch=True`` copies the next chunk's state back to the device
+    as soon as a step ends (``state_store.ChunkStates``).
+
+    ``process_group``: data parallelism. Each rank runs the same model on its own batch;
+    the active slices' fp32 gradients are averaged over the group (as DDP averages) and
+    stepped by the rule's epilogue (``data_parallel``). ``shards``: tensor parallelism,
+    {parameter name: WeightSlice} placing this rank's local nn.Linear weight (or bias,
+    as one row) in the global tensor; the chunks are planned on the global shapes and
+    each rank steps their intersection with its shard (``shards``).
 
     The learning rate is ``param_groups[0]["lr"]`` (initially ``rule.lr``), copied into
     ``rule.lr`` at every step, so a torch LR scheduler built on this object and stepped
@@ -120,12 +154,14 @@ class ChunkFT(torch.optim.Optimizer):
     """
 
     def __init__(self, model, rule, chunks, switch_every=1, split="rows", order="cyclic", state_store="device",
-                 seed=0, *, state_format="fp32", rounding=None, config=None):
+                 seed=0, *, state_format="fp32", rounding=None, config=None, process_group=None, shards=None,
+                 prefetch=False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError("ChunkFT does not reduce gradients across data-parallel ranks yet: a DDP-wrapped "
-                             "model would train each rank's chunk on its own batch only; refused")
+            raise ValueError("ChunkFT reduces the active chunk's gradients itself: pass the unwrapped module "
+                             "(ddp.module) with process_group=<the data-parallel group>, not a "
+                             "DistributedDataParallel wrapper (its hooks wait for .grad, which ChunkFT never fills)")
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if isinstance(switch_every, bool) or not isinstance(switch_every, int) or switch_every < 1:
@@ -137,21 +173,46 @@ class ChunkFT(torch.optim.Optimizer):
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         self.model, self.rule, self.chunks, self.switch_every = model, rule, chunks, switch_every
         self.split, self.order, self.state_store, self.seed = split, order, state_store, check_seed(seed)
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+        if prefetch and state_store != "host":
+            raise ValueError("prefetch=True copies the next chunk's state from the host: it needs state_store='host'")
         self.state_format, self.rounding, self.config = state_format, rounding, config
+        self._group = process_group
+        if process_group is not None:
+            data_parallel.check_group(process_group)
         self._params, self._owner = _trainable(model)
+        self._placements = shard_plan.placements(self._params, {} if shards is None else shards, state_format == "q8")
+        sharded = sorted(name for name in (shards or {}) if not isinstance(self._owner[name][0], nn.Linear))
+        if sharded:
+            raise ValueError(f"shards names {sharded}: ChunkFT steps shards of nn.Linear weights and biases only "
+                             "(a vocabulary-parallel embedding or a sharded norm is not supported)")
         embeddings = {name for name, (module, _) in self._owner.items() if isinstance(module, nn.Embedding)}
-        self._costs = tensor_costs(list(self._params.items()), rule, state_format, split, along_rows=embeddings)
+        global_tensors = [(name, shard_plan.global_tensor(p, self._placements[name]))
+                          for name, p in self._params.items()]
+        self._costs = tensor_costs(global_tensors, rule, state_format, split, along_rows=embeddings)
         self._plan = plan_chunks(self._costs, chunks)
-        self._by_name = [{piece.name: piece for piece in pieces} for pieces in self._plan]
+        # The plan is global; what this rank steps is each piece's part inside its shard.
+        self._by_name = []
+        for pieces in self._plan:
+            local = {}
+            for piece in pieces:
+                part = shard_plan.local_piece(piece, self._params[piece.name], self._placements[piece.name])
+                if part is not None:
+                    local[piece.name] = part
+            self._by_name.append(local)
         self._seeds = {name: tensor_seed(self.seed, i) for i, name in enumerate(self._params)}
         self._module_params = {}
         for name, (module, attr) in self._owner.items():
             self._module_params.setdefault(module, {})[attr] = name
         self._t = 0
         self._chunk_steps = [0] * chunks
-        self._states = {}
+        self._states = ChunkStates(prefetch)
         self._phase = None
         self._forwarded = set()
+        if process_group is not None:  # before the model is touched: a refusal leaves it as it was
+            data_parallel.check_same_on_every_rank(repr(self._describe()), process_group)
+            data_parallel.check_same_weights(self._params, process_group)
         super().__init__(list(self._params.values()), {"lr": rule.lr})
         self._hooks = [param.register_hook(self._outside_gradient(name)) for name, param in self._params.items()]
         for module in self._module_params:
@@ -180,15 +241,43 @@ class ChunkFT(torch.optim.Optimizer):
         """Steps each chunk has taken (its rule's step count)."""
         return tuple(self._chunk_steps)
 
-    def chunk_slices(self, index: int) -> list:
-        """Chunk ``index`` as a list of (parameter name, dim, start, stop)."""
+    def _check_index(self, index):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.chunks:
             raise ValueError(f"chunk index must be in [0, {self.chunks}), got {index!r}")
+
+    def chunk_slices(self, index: int) -> list:
+        """Chunk ``index`` as a list of (parameter name, dim, start, stop), in global
+        indices (under tensor parallelism: of the unsharded tensors)."""
+        self._check_index(index)
         return [piece.as_tuple() for piece in self._plan[index]]
+
+    def local_slices(self, index: int) -> list:
+        """The part of chunk ``index`` this rank steps, in its local tensors' indices (the
+        same as ``chunk_slices`` without ``shards``)."""
+        self._check_index(index)
+        return [piece.as_tuple() for piece in self._by_name[index].values()]
 
     def chunk_state(self, index: int) -> dict:
         """{parameter name: state dict} of chunk ``index`` (empty before its first visit)."""
-        return {name: self._states[(name, index)] for name in self._by_name[index] if (name, index) in self._states}
+        states = self._states.readable()
+        return {name: states[(name, index)] for name in self._by_name[index] if (name, index) in states}
+
+    def state_bytes(self) -> dict:
+        """{"device": bytes, "host": bytes}: the optimizer state held, by where it lives."""
+        return self._states.nbytes()
+
+    def reduced_bytes(self, index: int) -> int:
+        """Bytes this rank all-reduces when chunk ``index`` steps under data parallelism:
+        its local slices' elements, as fp32 (0 without a process group)."""
+        self._check_index(index)
+        if self._group is None:
+            return 0
+        return 4 * sum(_numel(self._params[name].shape, piece) for name, piece in self._by_name[index].items())
+
+    @property
+    def prefetched_chunk(self):
+        """The chunk whose state was copied to the device ahead of its step (None: none)."""
+        return self._states.prefetched
 
     # ----- stepping -----------------------------------------------------------------
     @torch.no_grad()
@@ -215,36 +304,29 @@ class ChunkFT(torch.optim.Optimizer):
             self._phase, self._forwarded = None, set()
         self._chunk_steps[chunk] += 1
         self._t += 1
-        if self.state_store == "host" and self.active_chunk != chunk:
-            self._move_state(chunk, torch.device("cpu"))
+        following = self.active_chunk
+        if self.state_store == "host" and following != chunk:
+            self._states.offload(self._keys(chunk))
+            if self._states.prefetch:
+                self._states.prefetch_chunk(following, self._keys(following), self._device_of)
         return loss.detach()
+
+    def _keys(self, chunk):
+        return [(name, chunk) for name in self._by_name[chunk]]
+
+    def _device_of(self, key):
+        return self._params[key[0]].device
 
     def _activate(self, chunk):
         for name, piece in self._by_name[chunk].items():
             param = self._params[name]
             key = (name, chunk)
             if key not in self._states:
-                self._states[key] = self.rule.init_state(
+                self._states.put(key, self.rule.init_state(
                     torch.empty(_state_shape(param.shape, piece), dtype=param.dtype, device=param.device),
-                    state_format=self.state_format)
-        self._move_state(chunk, None)
-
-    def _move_state(self, chunk, device):
-        """Move chunk's state to ``device`` (``None``: each parameter's own device) in its format."""
-        for name in self._by_name[chunk]:
-            key = (name, chunk)
-            if key not in self._states:
-                continue
-            target = self._params[name].device if device is None else device
-            moved = {}
-            for slot, tensor in self._states[key].items():
-                if tensor.device == target:
-                    moved[slot] = tensor
-                elif target.type == "cpu" and torch.cuda.is_available():
-                    moved[slot] = tensor.to("cpu").pin_memory()
-                else:
-                    moved[slot] = tensor.to(target, non_blocking=True)
-            self._states[key] = moved
+                    state_format=self.state_format))
+        self._states.to_device(self._keys(chunk), self._device_of)
+        self._states.prefetched = None
 
     def _active_piece(self, module, attr):
         name = self._module_params[module].get(attr)
@@ -255,26 +337,31 @@ class ChunkFT(torch.optim.Optimizer):
                                "steps the active chunk inside the backward that step() runs")
         return name, self._by_name[self.active_chunk].get(name)
 
-    def _kernel_args(self, name):
+    def _kernel_args(self, name, piece):
         chunk = self.active_chunk
+        place = shard_plan.kernel_slice(piece, self._params[name], self._placements[name])
         return dict(rule=self.rule, step=self._chunk_steps[chunk] + 1, config=self.config, rounding=self.rounding,
-                    seed=self._seeds[name]), self._states[(name, chunk)]
+                    seed=self._seeds[name], weight_slice=place), self._states.get((name, chunk))
+
+    def _reduced(self, grad):
+        """The slice's gradient as the rule must see it: averaged over the data-parallel group."""
+        return grad if self._group is None else data_parallel.average_over_ranks(grad, self._group)
 
     def _linear_step(self, module, x, dy):
         name, piece = self._active_piece(module, "weight")
         if piece is not None:
             weight = self._params[name].detach()
-            place_shape = tuple(weight.shape)
-            kwargs, state = self._kernel_args(name)
+            kwargs, state = self._kernel_args(name, piece)
             s, e = piece.start, piece.stop
-            if piece.dim == 0:
-                fused_weight_update(x, dy[:, s:e], weight[s:e], state, weight_slice=WeightSlice(s, 0, place_shape),
-                                    **kwargs)
-            else:
-                columns = weight[:, s:e].contiguous()
-                fused_weight_update(x[:, s:e], dy, columns, state, weight_slice=WeightSlice(0, s, place_shape),
-                                    **kwargs)
-                weight[:, s:e].copy_(columns)
+            rows = piece.dim == 0
+            operands = (x, dy[:, s:e]) if rows else (x[:, s:e], dy)
+            target = weight[s:e] if rows else weight[:, s:e].contiguous()
+            if self._group is None:
+                fused_weight_update(*operands, target, state, **kwargs)
+            else:  # the oracle path on the averaged gradient: the fused step's bits on one rank's gradient
+                apply_rule(self._reduced(weight_gradient(*operands, config=self.config)), target, state, **kwargs)
+            if not rows:
+                weight[:, s:e].copy_(target)
         self._vector_step(module, "bias", lambda s, e: sliced.bias_grad(dy.float(), s, e))
 
     def _embedding_step(self, module, indices, dy):
@@ -285,14 +372,18 @@ class ChunkFT(torch.optim.Optimizer):
         s, e = piece.start, piece.stop
         grad = sliced.embedding_weight_grad(indices, dy.float(), s, e, padding_idx=module.padding_idx,
                                             scale_grad_by_freq=module.scale_grad_by_freq)
-        kwargs, state = self._kernel_args(name)
-        apply_rule(grad.contiguous(), weight[s:e], state, weight_slice=WeightSlice(s, 0, tuple(weight.shape)),
-                   **kwargs)
+        kwargs, state = self._kernel_args(name, piece)
+        apply_rule(self._reduced(grad.contiguous()), weight[s:e], state, **kwargs)
 
     def _norm_step(self, module, x, dy):
+        dy32 = dy.float()
+        if _is_llama_rms_norm(module):  # x̂ is rounded to the input's dtype before the weight multiplies it
+            self._vector_step(module, "weight", lambda s, e: sliced.norm_weight_grad(
+                x, dy32, s, e, "llama_rms_norm", module.variance_epsilon))
+            return
         kind = "layer_norm" if isinstance(module, nn.LayerNorm) else "rms_norm"
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        x32, dy32 = x.float(), dy.float()
+        x32 = x.float()
         self._vector_step(module, "weight", lambda s, e: sliced.norm_weight_grad(x32, dy32, s, e, kind, eps))
         self._vector_step(module, "bias", lambda s, e: sliced.bias_grad(dy32, s, e))
 
@@ -303,9 +394,9 @@ class ChunkFT(torch.optim.Optimizer):
             return
         param = self._params[name].detach()
         s, e = piece.start, piece.stop
-        kwargs, state = self._kernel_args(name)
-        apply_rule(gradient(s, e).reshape(1, e - s).contiguous(), param[s:e].view(1, e - s), state,
-                   weight_slice=WeightSlice(0, s, (1, param.shape[0])), **kwargs)
+        kwargs, state = self._kernel_args(name, piece)
+        apply_rule(self._reduced(gradient(s, e).reshape(1, e - s).contiguous()), param[s:e].view(1, e - s), state,
+                   **kwargs)
 
     def _outside_gradient(self, name):
         def refuse(grad):
@@ -325,9 +416,12 @@ class ChunkFT(torch.optim.Optimizer):
 
     # ----- checkpoints --------------------------------------------------------------
     def _describe(self) -> dict:
-        return {"rule": type(self.rule).__name__, "chunks": self.chunks, "switch_every": self.switch_every,
-                "split": self.split, "order": self.order, "seed": self.seed, "state_format": self.state_format,
-                "plan": [[list(piece.as_tuple()) for piece in pieces] for pieces in self._plan]}
+        described = {"rule": type(self.rule).__name__, "chunks": self.chunks, "switch_every": self.switch_every,
+                     "split": self.split, "order": self.order, "seed": self.seed, "state_format": self.state_format,
+                     "plan": [[list(piece.as_tuple()) for piece in pieces] for pieces in self._plan]}
+        placed = {name: [p.row_start, p.col_start, list(p.global_shape)] for name, p in self._placements.items()
+                  if p.global_shape != _as_row(self._params[name])}
+        return described | ({"shards": placed} if placed else {})
 
     def state_dict(self) -> dict:
         """Schedule position, per-chunk step counts, the learning rate and every (tensor,
@@ -335,14 +429,14 @@ class ChunkFT(torch.optim.Optimizer):
         return {"config": self._describe(), "position": self._t, "chunk_steps": list(self._chunk_steps),
                 "lr": self.param_groups[0]["lr"],
                 "state": {f"{name}@{chunk}": {slot: t.clone() for slot, t in state.items()}
-                          for (name, chunk), state in self._states.items()}}
+                          for (name, chunk), state in self._states.readable().items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume from ``state_dict()``: the next step is the one the saved run took next, bit
         for bit (with the model's own ``load_state_dict`` for the weights). A checkpoint of
         another configuration (rule class, chunks, plan, schedule, seed, format) is refused."""
         ours, theirs = self._describe(), state_dict.get("config", {})
-        differing = sorted(k for k in ours if ours[k] != theirs.get(k))
+        differing = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differing:
             raise ValueError(f"ChunkFT checkpoint of another configuration: {differing} differ; refused")
         states = {}
@@ -351,12 +445,15 @@ class ChunkFT(torch.optim.Optimizer):
             if name not in self._params or not chunk.isdigit() or name not in self._by_name[int(chunk)]:
                 raise ValueError(f"ChunkFT checkpoint has state for {key!r}, which is no (tensor, chunk) here")
             states[(name, int(chunk))] = {slot: t.clone() for slot, t in state.items()}
-        self._states = states
+        self._states.replace(states)
         self._t = int(state_dict["position"])
         self._chunk_steps = [int(s) for s in state_dict["chunk_steps"]]
         self.param_groups[0]["lr"] = state_dict["lr"]
         for chunk in range(self.chunks):
-            self._move_state(chunk, torch.device("cpu") if self.state_store == "host" else None)
+            if self.state_store == "host":
+                self._states.offload(self._keys(chunk))
+            else:
+                self._states.to_device(self._keys(chunk), self._device_of)
 
     def remove(self) -> None:
         """Give the model back its own forwards and drop ChunkFT's gradient hooks."""
@@ -390,6 +487,14 @@ def _forward_of(ctl, module):
     return forward
 
 
+def _as_row(param) -> tuple:
+    return (1, param.shape[0]) if param.dim() == 1 else tuple(param.shape)
+
+
+def _numel(shape, piece) -> int:
+    return (piece.stop - piece.start) * (shape[1 - piece.dim] if len(shape) == 2 else 1)
+
+
 def _state_shape(shape, piece) -> tuple:
     """The 2-D shape a slice is stepped as: its rows or columns, a 1-D range as one row."""
     if len(shape) == 1:
@@ -415,13 +520,15 @@ def _trainable(model):
                 continue
             name = f"{module_name}.{attr}" if module_name else attr
             kind = type(module)
-            if kind not in _SUPPORTED:
+            llama_norm = _is_llama_rms_norm(module)
+            if kind not in _SUPPORTED and not llama_norm:
                 problems.append(f"{name!r} ({kind.__name__}: ChunkFT slices parameters of {_SUPPORTED_NAMES} "
                                 "only, not subclasses)")
                 continue
-            if attr not in _ATTRIBUTES[kind]:
+            attributes = ("weight",) if llama_norm else _ATTRIBUTES[kind]
+            if attr not in attributes:
                 problems.append(f"{name!r} (a parameter {kind.__name__} does not have of its own: ChunkFT steps "
-                                f"{' and '.join(_ATTRIBUTES[kind])} only)")
+                                f"{' and '.join(attributes)} only)")
                 continue
             if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
                 problems.append(f"{name!r} (Embedding with max_norm or sparse=True)")

@@ -35,9 +35,25 @@ def embedding_weight_grad(indices, dy, start, stop, *, padding_idx=None, scale_g
                                                    local_padding, scale_grad_by_freq)
 
 
+def _llama_normalized(x, eps):
+    # transformers' LlamaRMSNorm, operation for operation: statistics in float32 whatever
+    # the input's dtype, x̂ rounded back to it before the weight multiplies it.
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return (hidden * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def llama_rms_norm(x, weight, eps):
+    """transformers' ``LlamaRMSNorm.forward`` as a function of (x, weight): the same bits."""
+    return weight * _llama_normalized(x, eps)
+
+
 def normalized_input(x, kind, eps):
     """x̂ over the last dim: (x − mean)·rstd for "layer_norm", x·rstd for "rms_norm"
-    (torch's default eps for RMSNorm, the dtype's machine epsilon, when ``eps`` is None)."""
+    (torch's default eps for RMSNorm, the dtype's machine epsilon, when ``eps`` is None),
+    LlamaRMSNorm's x̂ (float32 statistics, rounded to x's dtype) for "llama_rms_norm"."""
+    if kind == "llama_rms_norm":
+        return _llama_normalized(x, eps)
     if kind == "layer_norm":
         mean = x.mean(-1, keepdim=True)
         centered = x - mean
@@ -52,7 +68,7 @@ def norm_weight_grad(x, dy, start, stop, kind, eps):
     """Elements ``start:stop`` of a LayerNorm/RMSNorm weight's gradient: Σ_tokens dy·x̂ on
     those features (the statistics still read the whole feature axis)."""
     x_hat = normalized_input(x.reshape(-1, x.shape[-1]), kind, eps)[:, start:stop]
-    return token_sum(dy.reshape(-1, dy.shape[-1])[:, start:stop] * x_hat)
+    return token_sum(dy.reshape(-1, dy.shape[-1])[:, start:stop] * x_hat.to(dy.dtype))
 
 
 def bias_grad(dy, start, stop):
