@@ -202,9 +202,11 @@ def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elem
     work = target.work_dtype
     if target.role == "linear":
         xs = x.to(work) * _per_example(draws.signs(target, COL, batch, first), x.dim())
-        parts = [xs @ draws.base(target, rows).T for rows in row_blocks(target, block_elements)]
-        change = torch.cat(parts, dim=-1)
-        return change * _per_example(draws.signs(target, ROW, batch, first), change.dim())
+        # filled block by block and scaled in place: one activation-sized tensor, no copies
+        change = torch.empty(*x.shape[:-1], target.rows, dtype=work, device=x.device)
+        for rows in row_blocks(target, block_elements):
+            change[..., rows[0]:rows[-1] + 1] = xs @ draws.base(target, rows).T
+        return change.mul_(_per_example(draws.signs(target, ROW, batch, first), change.dim()))
     if target.role == "embedding":
         flat = x.reshape(batch, -1)
         used, inverse = torch.unique(flat, return_inverse=True)
@@ -224,6 +226,14 @@ def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elem
     else:
         normalised = F.rms_norm(x.to(work), module.normalized_shape, None, module.eps)
     return normalised * _per_example(direction, x.dim())
+
+
+def _accumulate(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """total + part, in place when total already has the broadcast shape (a bias's change
+    is (B, 1, ..., n) and broadcasts against the output)."""
+    if total.shape == torch.broadcast_shapes(total.shape, part.shape):
+        return total.add_(part)
+    return total + part
 
 
 class Perturbed:
@@ -252,10 +262,13 @@ class Perturbed:
                              f"shared by all examples, such as a position embedding called with "
                              f"arange(T), must be frozen)")
         self.batch = batch
-        work = targets[0].work_dtype
         first = self.data_rank * batch
-        change = sum(output_change(t, self.draws, x, batch, self.block_elements, first) for t in targets)
-        return (output.to(work) + (self.sign * self.scale) * change).to(output.dtype)
+        # accumulated in place (the widest module's output may be the logits): the same
+        # operations, so the same bits, as output + (sign · scale) · Σ changes
+        change = output_change(targets[0], self.draws, x, batch, self.block_elements, first)
+        for target in targets[1:]:
+            change = _accumulate(change, output_change(target, self.draws, x, batch, self.block_elements, first))
+        return _accumulate(change.mul_(self.sign * self.scale), output).to(output.dtype)
 
     def __enter__(self):
         self.handles = [m.register_forward_hook(self._hook) for m in self.by_module]
