@@ -87,6 +87,18 @@ def coefficients(losses_plus, losses_minus, sigma, normalize, eps):
     return delta / (spread + eps)
 
 
+def unmoved_message(method, knob, value, losses: str, params) -> str:
+    """Why a step has no direction when no loss moved, naming the perturbation size and
+    the parameters' dtypes (in bf16 models a small perturbation is rounded away)."""
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
+    text = (f"{method}: {knob} = {value:g} moved no loss ({losses} at +{knob} and -{knob} are equal bit for "
+            f"bit), so the step has no direction; the parameters are {', '.join(dtypes)}")
+    if "bfloat16" in dtypes:
+        text += (f": in bfloat16 a perturbation below half an ulp of what it is added to is rounded away "
+                 f"(GRZO: each perturbed module's output; MeZO: each weight), so raise {knob}")
+    return text
+
+
 class GRZO:
     """``GRZO(model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0,
     group=None, shards=None)``.
@@ -99,7 +111,9 @@ class GRZO:
 
     Refused, with nothing written and the counter kept: non-finite losses
     (``NonFiniteLossError``), B = 1 under ``"std"``, a closure of the wrong shape.
-    Under ``"std"`` all-equal δ takes no step (``NoStepWarning``; the counter advances).
+    Under ``"std"`` all-equal δ takes no step (``NoStepWarning``; the counter advances),
+    and so does, under either normalization, a σ that moved no loss at all (the warning
+    names σ and the dtype: in bf16 a small σ is rounded away).
 
     ``group``: the data-parallel process group whose ranks hold the other examples of
     the batch, b each, rank r global examples r·b, ..., r·b + b - 1 (None: this process
@@ -157,9 +171,18 @@ class GRZO:
         return plus, minus, plus.numel()
 
     def _draw(self, closure, draws):
-        """The two forwards and the coefficients c_i (None: all-equal δ under "std")."""
+        """The two forwards, B, the coefficients c_i and, when there is no direction (c
+        None), why: no loss moved, or all-equal δ under "std"."""
         plus, minus, batch = self._forwards(closure, draws)
-        return plus, minus, batch, coefficients(plus, minus, self.sigma, self.normalize, self.eps)
+        c = coefficients(plus, minus, self.sigma, self.normalize, self.eps)
+        if torch.equal(plus, minus):
+            return plus, minus, batch, None, unmoved_message(self.method, "sigma", self.sigma,
+                                                               f"all {batch} per-example losses",
+                                                               [t.param for t in self.targets])
+        if c is None:
+            return plus, minus, batch, None, (f"{self.method}: all {batch} differences δ_i are equal, so their "
+                                              f"standard deviation is 0 and normalize='std' has no direction")
+        return plus, minus, batch, c, None
 
     def _block_estimate(self, target, draws, c, batch, rows):
         """ĝ at ``rows`` of a matrix target (or the whole vector when ``rows`` is None).
@@ -199,10 +222,9 @@ class GRZO:
     def estimate_with(self, draws, closure) -> dict:
         """``estimate`` with given draws (any object with ``base`` and ``signs`` like
         ``CallDraws``; the harness passes enumerated sign patterns); the counter stays."""
-        _, _, batch, c = self._draw(closure, draws)
+        _, _, batch, c, why = self._draw(closure, draws)
         if c is None:
-            warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
-                                        f"standard deviation is 0; the estimate is zero"), stacklevel=3)
+            warnings.warn(NoStepWarning(f"{why}; the estimate is zero"), stacklevel=3)
         out = {}
         with torch.no_grad():
             for target in self.targets:
@@ -217,12 +239,10 @@ class GRZO:
     def step(self, closure) -> ZerothOrderStep:
         """One update W ← W - lr (ĝ + weight_decay W) of every target, row block by row block."""
         draws = CallDraws(self.seed, self.call)
-        plus, minus, batch, c = self._draw(closure, draws)
+        plus, minus, batch, c, why = self._draw(closure, draws)
         self.call += 1
         if c is None:
-            warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
-                                        f"standard deviation is 0 and normalize='std' has no direction; "
-                                        f"no step taken (the weights are unchanged)"), stacklevel=2)
+            warnings.warn(NoStepWarning(f"{why}; no step taken (the weights are unchanged)"), stacklevel=2)
             return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for target in self.targets:

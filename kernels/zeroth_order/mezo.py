@@ -15,13 +15,15 @@ whose loss is the mean of the ranks' mean losses. Tensor parallelism (``shards``
 a shard is drawn at the whole's global (row-major) indices, the slice of the whole's z.
 """
 
+import warnings
+
 import torch
 
-from ..errors import NonFiniteLossError
+from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from .draws import BASE, standard_normal, stream_key
-from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative
+from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, unmoved_message
 from .targets import SUPPORTED_DTYPES, check_shards
 
 
@@ -41,6 +43,8 @@ class MeZO:
 
     Every trainable floating parameter is perturbed, whatever its module. A non-finite
     loss raises ``NonFiniteLossError`` after the restore, with no step and the counter kept.
+    An ε that moved no loss (L⁺ = L⁻ bit for bit: in bf16 a small ε is rounded away)
+    takes no step and warns (``NoStepWarning``, naming ε and the dtype; the counter advances).
     ``group`` and ``shards`` as for ``GRZO`` (the module docstring says what is exchanged).
     """
 
@@ -130,9 +134,17 @@ class MeZO:
                                      "(the weights were restored from the perturbation)")
         return plus, minus, (plus - minus) / (2 * self.eps)
 
+    def _unmoved(self, plus, minus) -> str | None:
+        if not torch.equal(plus, minus):
+            return None
+        return unmoved_message(self.method, "eps", self.eps, "the losses", [p for _, p in self.params])
+
     def estimate(self, closure) -> dict:
         """{parameter name: ĝ = (L⁺ - L⁻)/(2ε) z} in the work dtype (fp32 for fp32 and bf16)."""
-        _, _, projected = self._draw(closure)
+        plus, minus, projected = self._draw(closure)
+        why = self._unmoved(plus, minus)
+        if why:
+            warnings.warn(NoStepWarning(f"{why}; the estimate is zero"), stacklevel=2)
         out = {}
         for name, param in self.params:
             parts = [float(projected) * z for _, z in self._blocks(name, param)]
@@ -142,6 +154,12 @@ class MeZO:
 
     def step(self, closure) -> ZerothOrderStep:
         plus, minus, projected = self._draw(closure)
+        why = self._unmoved(plus, minus)
+        if why:
+            self.call += 1
+            warnings.warn(NoStepWarning(f"{why}; no step taken (the weights are as the restore left them)"),
+                          stacklevel=2)
+            return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for name, param in self.params:
                 for block, z in self._blocks(name, param):
