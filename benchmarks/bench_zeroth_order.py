@@ -30,8 +30,11 @@ inference's by at most 3A + D, where A is the fp32 bytes of the widest activatio
 (``block_elements`` normals): by the code, GRZO's widest hook holds its fp32 output
 change (A), the sign-multiplied input (at most A) and one block's product (at most A)
 besides the forward's own tensors and one block of draws; MeZO holds one block of z and
-of the updated weights. A weight-sized fp32 temporary of the head alone would exceed it
-at these shapes (the CSV's ``largest_weight_fp32_bytes``).
+of the updated weights (proofs/zeroth_order.md, "Memory bound checked by the
+benchmark"). At 1 × 512 tokens a weight-sized fp32 temporary of the head would exceed
+the bound; at 16 × 128 the bound is larger than one (the CSV's
+``largest_weight_fp32_bytes``), so there it bounds the extra memory but cannot by
+itself rule one out.
 
     python3 benchmarks/bench_zeroth_order.py --out benchmarks/results/zeroth_order/h200-memory-speed.csv
     python3 benchmarks/bench_zeroth_order.py --smoke --out /tmp/zo-smoke.csv   # tiny, on the CPU
