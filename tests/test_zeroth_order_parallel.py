@@ -37,6 +37,8 @@ def test_two_data_parallel_ranks_give_the_single_process_step(method, rank_pool)
     ("GRZO", "batch", "ValueError", r"unequal local batches \(\[1, 2\]\)"),
     ("MeZO", "nan", "NonFiniteLossError", "no step was taken"),
     ("MeZO", "shape", "RankRefusedError", r"rank\(s\) \[0\]"),
+    ("GRZO", "seed", "ValueError", r"disagree on the seed \(\[12, 11\]\)"),
+    ("MeZO", "seed", "ValueError", r"disagree on the seed \(\[12, 11\]\)"),
 ])
 def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(method, fault, error, message, rank_pool):
     """Rank 0 alone has the fault; rank 1 raises too (no rank is left waiting in a

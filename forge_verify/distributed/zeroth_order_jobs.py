@@ -25,7 +25,8 @@ def data_parallel_steps(method: str, steps: int, batch: int) -> dict:
 def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
     """(the error this rank raised as (type name, message), whether its parameters are
     unchanged) when rank 0 alone has a ``fault``: "nan" (a non-finite loss), "shape" (a
-    closure returning the wrong thing) or "batch" (one example fewer than the others)."""
+    closure returning the wrong thing), "batch" (one example fewer than the others) or
+    "seed" (another seed)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, features, targets = _local(batch_invariant_data(batch), rank, world)
     if fault == "batch" and rank == 0:
@@ -33,6 +34,8 @@ def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
     model = BatchInvariantModel()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = zeroth_order_optimizer(method, model, group=dist.group.WORLD)
+    if fault == "seed" and rank == 0:
+        opt.seed += 1
 
     def closure():
         losses = model(tokens, features, targets)
