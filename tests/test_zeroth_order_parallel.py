@@ -52,3 +52,18 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(method, fault, error, 
             assert raised[0] == error and re.search(message, raised[1]), (rank, raised)
         if method == "GRZO":
             assert unchanged, f"rank {rank} wrote its parameters"
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_column_parallel_model_on_two_ranks_steps_the_slices_of_the_whole(method, rank_pool):
+    """Tensor parallelism inside a model: each rank holds half the rows of a Linear (its
+    ``shards`` entry) and the replicated embedding, the local outputs are all-gathered in
+    the forward; after 3 steps each rank's shard is the slice of the unsharded model's
+    Linear and its embedding the unsharded one, bitwise."""
+    whole = jobs.column_parallel_steps(method, STEPS, BATCH, world=1)
+    start = jobs.column_parallel_steps(method, 0, BATCH, world=1)
+    assert not torch.equal(whole["lin.weight"], start["lin.weight"]), "the steps moved nothing"
+    for rank, params in enumerate(rank_pool(WORLD).run(jobs.column_parallel_steps, method, STEPS, BATCH)):
+        assert_bitwise_equal(params["lin.weight"], whole["lin.weight"][2 * rank:2 * rank + 2], f"rank {rank} shard")
+        assert_bitwise_equal(params["tok.weight"], whole["tok.weight"], f"rank {rank} replicated embedding")
