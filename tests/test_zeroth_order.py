@@ -514,3 +514,19 @@ def test_a_perturbation_rounded_away_in_bf16_is_named_and_takes_no_step(method, 
     control = _Small(torch.float32)
     closure = _closure(control, idx) if method == "GRZO" else (lambda: (control(idx) ** 2).sum(-1).mean())
     assert make(control).step(closure).stepped
+
+
+def test_the_embedding_hook_draws_its_used_rows_in_blocks():
+    """An Embedding(8192, 2) fed all 8,192 tokens, block_elements = 512: the largest single
+    allocation of a step is torch.unique's int64 values and inverse over the tokens (16
+    bytes per token, 128 KiB, an activation), not a draw of all used rows' U at once
+    (12 bytes per element of 8,192 × 2: 192 KiB, what the hook allocated before it drew
+    in blocks; torch's CPU profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    model = nn.Embedding(8192, 2)
+    idx = torch.randperm(8192, generator=torch.Generator().manual_seed(0))[None, :]
+    opt = fk.GRZO(model, lr=1e-3, normalize="none", block_elements=512)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step(lambda: (model(idx) ** 2).sum((1, 2)))
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= 16 * 8192 < 12 * 8192 * 2

@@ -214,7 +214,11 @@ def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elem
         if target.module.padding_idx is not None:
             rows = rows * (flat != target.module.padding_idx)  # the padding row is not trained
         columns = draws.signs(target, COL, batch, first)[:, None, :]
-        change = draws.base(target, used)[inverse] * rows[..., None] * columns
+        # the used rows' U in row blocks too: the draws' temporaries stay block-sized
+        per_block = max(1, block_elements // target.cols)
+        base = torch.cat([draws.base(target, used[start:start + per_block])
+                          for start in range(0, len(used), per_block)])
+        change = base[inverse] * rows[..., None] * columns
         return change.reshape(*x.shape, target.cols)
     shape = target.param.shape
     direction = (draws.base(target, None) * draws.signs(target, ROW, batch, first)).reshape(batch, *shape)
