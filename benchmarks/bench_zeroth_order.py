@@ -202,7 +202,8 @@ def draw_block_peak(device) -> int | None:
 
 def run(shapes: Shapes, batches, dtype, device, max_steps, budget_s, deadline_s):
     meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)",
-            "torch": torch.__version__, "triton": _triton_version(), "commit": os.environ.get("FORGE_COMMIT", "unknown"),
+            "torch": torch.__version__, "triton": _triton_version(),
+            "commit": os.environ.get("FORGE_COMMIT", "unknown"),
             "layers": shapes.layers, "hidden": shapes.hidden, "mlp": shapes.mlp, "vocab": shapes.vocab,
             "dtype": str(dtype).replace("torch.", "")}
     began = time.perf_counter()
@@ -229,7 +230,8 @@ def run(shapes: Shapes, batches, dtype, device, max_steps, budget_s, deadline_s)
                          "method": method, "median_ms": f"{median:.2f}", "steps_timed": count,
                          "peak_bytes": "" if peak is None else peak,
                          "extra_over_inference_bytes": "" if extra is None else extra,
-                         "widest_activation_fp32_bytes": widest, "draw_block_peak_bytes": "" if draws is None else draws,
+                         "widest_activation_fp32_bytes": widest,
+                         "draw_block_peak_bytes": "" if draws is None else draws,
                          "largest_weight_fp32_bytes": largest, "claim_holds": holds})
             del model
             gc.collect()
@@ -257,8 +259,9 @@ def markdown(rows) -> str:
     for r in rows:
         bound = "" if r["draw_block_peak_bytes"] == "" or r["method"] in ("inference", "AdamW") else \
             gib(3 * r["widest_activation_fp32_bytes"] + r["draw_block_peak_bytes"])
-        lines.append(f"| {r['batch']} × {r['tokens_per_example']} | {r['method']} | {r['median_ms']} ({r['steps_timed']}) "
-                     f"| {gib(r['peak_bytes'])} | {gib(r['extra_over_inference_bytes'])} | {bound} | {r['claim_holds']} |")
+        lines.append(f"| {r['batch']} × {r['tokens_per_example']} | {r['method']} | {r['median_ms']} "
+                     f"({r['steps_timed']}) | {gib(r['peak_bytes'])} | {gib(r['extra_over_inference_bytes'])} "
+                     f"| {bound} | {r['claim_holds']} |")
     return "\n".join(lines)
 
 

@@ -240,8 +240,9 @@ def test_estimate_writes_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_every_supported_dtype_steps(dtype):
     """σ = 0.05: in bf16 the hooked output is rounded to bf16, and σ = 1e-3 here moves
-    these outputs (magnitude ~2, bf16 ulp 2**-6) by about half an ulp: two of the four
-    δ_i are 0 (measured), and at 1e-4 all four (the rounded-away test below); lr = 0.1: bf16 weights are stored round-to-nearest, so a step below half
+    these outputs (magnitude ~2, bf16 ulp 2**-6) by about half an ulp: two of the
+    four δ_i are 0 (measured), and at 1e-4 all four (the rounded-away test below);
+    lr = 0.1: bf16 weights are stored round-to-nearest, so a step below half
     an ulp is lost (README, "Zeroth-order fine-tuning", what is not done)."""
     model, idx = _Small(dtype), _tokens()
     opt = fk.GRZO(model, lr=0.1, sigma=0.05)

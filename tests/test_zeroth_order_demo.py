@@ -4,6 +4,8 @@ plot, every loss it reports is finite, and its output says what it compared."""
 import json
 import math
 
+import pytest
+
 import forge_verify.commands.cli as cli
 from forge_verify.commands.zo_demo import METHODS
 
@@ -25,6 +27,5 @@ def test_zo_demo_runs_and_reports_what_it_compared(tmp_path, capsys):
 
 
 def test_zo_demo_refuses_a_batch_of_one(tmp_path):
-    import pytest
     with pytest.raises(SystemExit, match="--batch at least 2"):
         cli.main(["zo-demo", "--steps", "1", "--batch", "1", "--out", str(tmp_path)])

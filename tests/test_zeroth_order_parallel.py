@@ -6,6 +6,8 @@ whatever else is in its batch, provably (its docstring says why), so what is com
 is the optimizers' own data-parallel part: the global example index of each rank's
 draws, the exchange of the losses, the update from all B of them."""
 
+import re
+
 import pytest
 import torch
 
@@ -44,7 +46,6 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(method, fault, error, 
     """Rank 0 alone has the fault; rank 1 raises too (no rank is left waiting in a
     collective) and GRZO's parameters are untouched on both (MeZO's restore may drift:
     properties/test_zeroth_order_mezo.py)."""
-    import re
     results = rank_pool(WORLD).run(jobs.refused_everywhere, method, BATCH, fault)
     for rank, (raised, unchanged) in enumerate(results):
         assert raised is not None, f"rank {rank} took the step"
