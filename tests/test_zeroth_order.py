@@ -240,8 +240,9 @@ def test_estimate_writes_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_every_supported_dtype_steps(dtype):
     """σ = 0.05: in bf16 the hooked output is rounded to bf16, and σ = 1e-3 here moves
-    these outputs (magnitude ~2, bf16 ulp 2**-6) by less than half an ulp, so every δ_i
-    would be 0; lr = 0.1: bf16 weights are stored round-to-nearest, so a step below half
+    these outputs (magnitude ~2, bf16 ulp 2**-6) by about half an ulp: two of the
+    four δ_i are 0 (measured), and at 1e-4 all four (the rounded-away test below);
+    lr = 0.1: bf16 weights are stored round-to-nearest, so a step below half
     an ulp is lost (README, "Zeroth-order fine-tuning", what is not done)."""
     model, idx = _Small(dtype), _tokens()
     opt = fk.GRZO(model, lr=0.1, sigma=0.05)
@@ -305,18 +306,30 @@ def test_one_example_under_std_is_refused():
 
 
 def test_all_equal_differences_take_no_step_and_say_so():
-    """Losses the perturbation does not move give δ_i = 0 for every example: std 0 (the
+    """Every example's loss the batch's total: the δ_i move but are all equal, std 0 (the
     GRZO code would divide by its 1e-8)."""
     model, idx = _Small(), _tokens()
     opt, before = fk.GRZO(model, lr=0.1), _snapshot(model)
-    constant = lambda: (model(idx) * 0).sum(-1) + 1.0  # noqa: E731
-    with pytest.warns(fk.NoStepWarning, match="all 4 differences"):
-        result = opt.step(constant)
+    shared = lambda: (model(idx) ** 2).sum().expand(idx.shape[0])  # noqa: E731
+    with pytest.warns(fk.NoStepWarning, match="all 4 differences δ_i are equal"):
+        result = opt.step(shared)
     assert not result.stepped and result.coefficients is None
     _unchanged(model, before)
     assert opt.call == 1
     with pytest.warns(fk.NoStepWarning):
-        assert all(not v.any() for v in opt.estimate(constant).values())
+        assert all(not v.any() for v in opt.estimate(shared).values())
+
+
+@pytest.mark.parametrize("normalize", ["std", "none"])
+def test_losses_the_perturbation_does_not_move_take_no_step_and_say_so(normalize):
+    """Constant losses: δ_i = 0 for every example; under "none" the step would be weight
+    decay alone, under "std" a division by eps. Named as no loss moved (float64 here)."""
+    model, idx = _Small(), _tokens()
+    opt, before = fk.GRZO(model, lr=0.1, weight_decay=0.1, normalize=normalize), _snapshot(model)
+    constant = lambda: (model(idx) * 0).sum(-1) + 1.0  # noqa: E731
+    with pytest.warns(fk.NoStepWarning, match="sigma = 0.001 moved no loss.*float64; no step taken"):
+        assert not opt.step(constant).stepped
+    _unchanged(model, before)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -473,3 +486,48 @@ def test_normals_on_cuda_equal_the_cpus_bit_for_bit(dtype):
     cpu = standard_normal(key, counter, dtype)
     cuda = standard_normal(key, counter.cuda(), dtype).cpu()
     assert_bitwise_equal(cuda, cpu, "standard_normal on CUDA")
+
+
+# --- a perturbation rounded away (bf16) -------------------------------------------------
+
+@pytest.mark.parametrize("method, normalize", [("GRZO", "std"), ("GRZO", "none"), ("MeZO", None)])
+def test_a_perturbation_rounded_away_in_bf16_is_named_and_takes_no_step(method, normalize):
+    """σ = ε = 1e-4 on the bf16 model (outputs of magnitude ~2, ulp 2**-6; weights ~1,
+    ulp 2**-7): every loss pair is equal bit for bit (measured; at 1e-3 two of GRZO's four
+    δ_i are still non-zero). The warning names the knob, its value and bfloat16, and GRZO
+    writes nothing (MeZO's weights are where its restore left them); the same settings in
+    fp32 step (the control)."""
+    def make(model):
+        if method == "GRZO":
+            return fk.GRZO(model, lr=0.1, sigma=1e-4, normalize=normalize)
+        return fk.MeZO(model, lr=0.1, eps=1e-4)
+    knob = "sigma" if method == "GRZO" else "eps"
+    model, idx = _Small(torch.bfloat16), _tokens()
+    closure = _closure(model, idx) if method == "GRZO" else (lambda: (model(idx) ** 2).sum(-1).mean())
+    before = _snapshot(model)
+    with pytest.warns(fk.NoStepWarning, match=f"{knob} = 0.0001 moved no loss.*bfloat16.*raise {knob}"):
+        result = make(model).step(closure)
+    assert not result.stepped
+    if method == "GRZO":
+        _unchanged(model, before)
+    with pytest.warns(fk.NoStepWarning, match="the estimate is zero"):
+        assert all(not v.any() for v in make(model).estimate(closure).values())
+    control = _Small(torch.float32)
+    closure = _closure(control, idx) if method == "GRZO" else (lambda: (control(idx) ** 2).sum(-1).mean())
+    assert make(control).step(closure).stepped
+
+
+def test_the_embedding_hook_draws_its_used_rows_in_blocks():
+    """An Embedding(8192, 2) fed all 8,192 tokens, block_elements = 512: the largest single
+    allocation of a step is torch.unique's int64 values and inverse over the tokens (16
+    bytes per token, 128 KiB, an activation), not a draw of all used rows' U at once
+    (12 bytes per element of 8,192 × 2: 192 KiB, what the hook allocated before it drew
+    in blocks; torch's CPU profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    model = nn.Embedding(8192, 2)
+    idx = torch.randperm(8192, generator=torch.Generator().manual_seed(0))[None, :]
+    opt = fk.GRZO(model, lr=1e-3, normalize="none", block_elements=512)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step(lambda: (model(idx) ** 2).sum((1, 2)))
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= 16 * 8192 < 12 * 8192 * 2

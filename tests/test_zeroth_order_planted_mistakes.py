@@ -51,10 +51,10 @@ def test_a_hook_without_row_signs_fails_the_enumeration(monkeypatch):
     """Multiplying the change by r_i again (r_i² = 1) drops the row signs from the forward."""
     original = targets_module.output_change
 
-    def without_row_signs(target, draws, x, batch, block_elements):
-        change = original(target, draws, x, batch, block_elements)
+    def without_row_signs(target, draws, x, batch, block_elements, first=0):
+        change = original(target, draws, x, batch, block_elements, first)
         if target.role == "linear":
-            return change * targets_module._per_example(draws.signs(target, ROW, batch), change.dim())
+            return change * targets_module._per_example(draws.signs(target, ROW, batch, first), change.dim())
         return change
     monkeypatch.setattr(targets_module, "output_change", without_row_signs)
     assert max(_errors()) > 0.01
@@ -72,7 +72,7 @@ def test_delta_without_sigma_fails_the_sigma_bound(monkeypatch):
 
 
 def test_signs_shared_by_every_example_fail_the_sign_check(monkeypatch):
-    def shared(self, target, kind, batch):
+    def shared(self, target, kind, batch, first=0):
         size = target.rows if kind == ROW else target.cols
         one = example_signs(self.key(target, kind), 1, size, target.work_dtype, target.param.device)
         return one.expand(batch, size)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import forge_kernels as fk
 from forge_kernels.zeroth_order.draws import BASE, COL, ROW, philox4x32, stream_key
 
 
@@ -132,8 +133,8 @@ class FixedDraws:
         u = self.bases[target.name].to(target.work_dtype)
         return u if rows is None else u[rows]
 
-    def signs(self, target, kind, batch):
-        return self.sign_table[(target.name, kind)].to(target.work_dtype)
+    def signs(self, target, kind, batch, first=0):
+        return self.sign_table[(target.name, kind)][first:first + batch].to(target.work_dtype)
 
 
 def sign_slots(opt) -> list:
@@ -254,3 +255,85 @@ def enumeration_errors(problem: QuadraticProblem, bases: dict, opt) -> tuple:
     mean_error = float((estimates.mean(0) - u * u * grads.mean(0)).abs().max())
     second_error = abs(float((estimates ** 2).sum(1).mean()) - grzo_conditional_second_moment(u, grads))
     return mean_error / scale, second_error / scale**2
+
+
+# --- a batch-invariant model, for data parallelism --------------------------------------
+
+class BatchInvariantModel(nn.Module):
+    """Every kind of parameter GRZO perturbs, in a float64 forward whose per-example bits
+    provably do not depend on the other examples of the batch (so 2 ranks with b examples
+    each compute the losses the single process computes for the same examples):
+
+    * an embedding (a gather) and a Linear(2, 2) without bias on features that are
+      powers of two: W x, and the hook's U (s ⊙ x), are sums of two exact products,
+      rounded once, the same in any order, with or without FMA, whatever W is;
+    * LayerNorm and RMSNorm over 2 channels, row by row;
+    * per-example losses summed over positions and channels one term at a time
+      (elementwise operations on B-vectors), not by a reduction kernel."""
+
+    def __init__(self, vocab: int = 7, seed: int = 0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, 2)
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.norm = nn.LayerNorm(2)
+        self.rms = nn.RMSNorm(2, eps=1e-6)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-3, 4, p.shape, generator=generator).to(p.dtype))
+        self.double()
+
+    def forward(self, tokens, features, targets) -> torch.Tensor:
+        h = self.rms(self.norm(self.tok(tokens) + self.lin(features)))
+        losses = torch.zeros(tokens.shape[0], dtype=torch.float64)
+        for t in range(tokens.shape[1]):
+            for c in range(2):
+                losses = losses + (h[:, t, c] - targets[:, t, c]) ** 2
+        return losses
+
+
+def batch_invariant_data(batch: int, length: int = 3, vocab: int = 7, seed: int = 1) -> tuple:
+    """(tokens, features, targets) for ``BatchInvariantModel``: features in ±{1/2, 1, 2}."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, length), generator=generator)
+    magnitude = 2.0 ** torch.randint(-1, 2, (batch, length, 2), generator=generator)
+    sign = 1 - 2 * torch.randint(0, 2, (batch, length, 2), generator=generator)
+    targets = torch.randint(-2, 3, (batch, length, 2), generator=generator).to(torch.float64)
+    return tokens, (magnitude * sign).to(torch.float64), targets
+
+
+def zeroth_order_optimizer(method: str, model, group=None):
+    """The optimizer the data-parallel comparison steps: GRZO (paper's "std") or MeZO."""
+    if method == "GRZO":
+        return fk.GRZO(model, lr=0.05, sigma=1e-2, seed=11, group=group)
+    if method == "MeZO":
+        return fk.MeZO(model, lr=0.05, eps=1e-2, seed=11, group=group)
+    raise ValueError(f"method must be GRZO or MeZO, got {method!r}")
+
+
+def mean_of_rank_means(losses: torch.Tensor, world: int) -> torch.Tensor:
+    """What MeZO's data-parallel loss is: the mean over ``world`` equal slices of the
+    per-example losses of each slice's mean, in the order the all-reduce forms it
+    (the sum over ranks, then the division)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for part in losses.chunk(world):
+        total = total + part.mean()
+    return total / world
+
+
+def zeroth_order_steps(method: str, steps: int, data: tuple, world: int = 1, group=None) -> dict:
+    """The parameters of ``BatchInvariantModel`` after ``steps`` steps on ``data`` (this
+    process's examples), as {name: tensor}."""
+    model = BatchInvariantModel()
+    opt = zeroth_order_optimizer(method, model, group)
+    if method == "GRZO":
+        def closure():
+            return model(*data)
+    else:
+        def closure():
+            # the single process (group None) forms the mean of the ranks' means itself
+            losses = model(*data)
+            return losses.mean() if group is not None else mean_of_rank_means(losses, world)
+    for _ in range(steps):
+        opt.step(closure)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -15,7 +15,7 @@ from ..checks.problems import Problem
 from ..checks.profiles import PROFILE_VARIABLE
 from ..distributed.parallel_verdicts import record_parallel_verdicts
 from ..gate import baseline as gate
-from . import chunk_demo, demo, report
+from . import chunk_demo, demo, report, zo_demo
 from .check import DETAILS, run_check
 from .sharding_report import sharding_report
 
@@ -67,6 +67,7 @@ def main(argv=None) -> int:
                                "(reports/data/parallelism.csv feeds the exactness summary report)")
     gate.add_parser(commands)
     report.add_parser(commands)
+    zo_demo.add_parser(commands)
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
         return gate.run(args)
     if args.command == "report":
         return report.run(args)
+    if args.command == "zo-demo":
+        return zo_demo.run(args)
     return 2
 
 

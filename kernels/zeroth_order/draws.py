@@ -113,11 +113,11 @@ def base_rows(key: int, rows: torch.Tensor, cols: int, dtype, *, row_offset: int
 
 
 def example_signs(key: int, batch: int, size: int, dtype, device, *, offset: int = 0,
-                  full_size: int = None) -> torch.Tensor:
-    """(batch × size) Rademacher signs: example i, index j (local; global offset + j)
-    draws counter i · full_size + offset + j."""
+                  full_size: int = None, first: int = 0) -> torch.Tensor:
+    """(batch × size) Rademacher signs: local example i (global example first + i), local
+    index j (global offset + j) draws counter (first + i) · full_size + offset + j."""
     full_size = size if full_size is None else full_size
-    examples = torch.arange(batch, device=device, dtype=torch.int64)
+    examples = torch.arange(first, first + batch, device=device, dtype=torch.int64)
     local = torch.arange(size, device=device, dtype=torch.int64)
     counter = examples.to(torch.int64)[:, None] * full_size + offset + local[None, :]
     return rademacher(key, counter, dtype)
@@ -125,7 +125,9 @@ def example_signs(key: int, batch: int, size: int, dtype, device, *, offset: int
 
 class CallDraws:
     """The draws of one call (seed, call) for any target: U regenerated on request, row
-    by row (never stored), and each example's signs (small, cached for the call)."""
+    by row (never stored), and each example's signs (small, cached for the call). A
+    target that is a shard of a larger parameter (``target.row_offset`` etc.) draws at
+    its global indices, so it gets the slice of the whole's draws."""
 
     def __init__(self, seed: int, call: int):
         self.seed, self.call = seed, call
@@ -139,15 +141,22 @@ class CallDraws:
         target's u when ``rows`` is None."""
         key = self.key(target, BASE)
         if rows is None:
-            counter = torch.arange(target.rows, device=target.param.device)
+            counter = target.row_offset + torch.arange(target.rows, device=target.param.device)
             return standard_normal(key, counter, target.work_dtype)
-        return base_rows(key, rows, target.cols, target.work_dtype)
+        return base_rows(key, rows, target.cols, target.work_dtype, row_offset=target.row_offset,
+                         col_offset=target.col_offset, full_cols=target.full_cols)
 
-    def signs(self, target, kind: int, batch: int) -> torch.Tensor:
-        """(batch × size) signs of ``kind`` (ROW: rows or a vector's elements, COL: columns)."""
-        cached = self._signs.get((target.name, kind, batch))
+    def signs(self, target, kind: int, batch: int, first: int = 0) -> torch.Tensor:
+        """(batch × size) signs of ``kind`` (ROW: rows or a vector's elements, COL: columns)
+        of global examples first, ..., first + batch - 1."""
+        cache_key = (target.name, kind, batch, first)
+        cached = self._signs.get(cache_key)
         if cached is None:
-            size = target.rows if kind == ROW else target.cols
-            cached = example_signs(self.key(target, kind), batch, size, target.work_dtype, target.param.device)
-            self._signs[(target.name, kind, batch)] = cached
+            if kind == ROW:
+                size, offset, full = target.rows, target.row_offset, target.full_rows
+            else:
+                size, offset, full = target.cols, target.col_offset, target.full_cols
+            cached = example_signs(self.key(target, kind), batch, size, target.work_dtype, target.param.device,
+                                   offset=offset, full_size=full, first=first)
+            self._signs[cache_key] = cached
         return cached

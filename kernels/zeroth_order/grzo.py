@@ -7,7 +7,15 @@ from the seed and never stored, r_i and s_i Rademacher signs; a vector parameter
 ℓ_i^±, δ_i = (ℓ_i^+ - ℓ_i^-)/(2σ), and the estimate ĝ = (1/B) Σ_i c_i Δ_i with c_i = δ_i
 (``normalize="none"``: unbiased for the mean loss's gradient) or
 c_i = δ_i / (std(δ) + eps) (``"std"``, Bessel-corrected, as in the paper; biased).
-The step is W ← W - lr (ĝ + weight_decay W), row block by row block.
+The step is W ← W - lr (ĝ + weight_decay W), row block by row block; the sum over
+examples is taken one example at a time in example order (each term ±c_i is exact, so
+every element is the same rounded sum on every machine, at any position in any block).
+
+Data parallelism (``group``): each rank holds b examples, the losses are all-gathered
+(``data_parallel``: 2B float64 numbers per step) and each rank's step is the
+single-process step with B. Tensor parallelism (``shards``): a parameter declared as a
+shard of a larger one draws at the whole's global indices, so its estimate and update
+are the slice of the whole's, given the same losses.
 
 Exact statistics on quadratic losses (proofs/zeroth_order.md): E[ĝ | U] = U ⊙ U ⊙ ḡ,
 E[ĝ] = ḡ, trace of the covariance ((d - 1)/B) mean‖g_i‖² + 2‖ḡ‖².
@@ -21,6 +29,7 @@ import torch
 
 from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
+from . import data_parallel
 from .draws import COL, ROW, CallDraws
 from .targets import Perturbed, find_targets, row_blocks
 
@@ -78,8 +87,21 @@ def coefficients(losses_plus, losses_minus, sigma, normalize, eps):
     return delta / (spread + eps)
 
 
+def unmoved_message(method, knob, value, losses: str, params) -> str:
+    """Why a step has no direction when no loss moved, naming the perturbation size and
+    the parameters' dtypes (in bf16 models a small perturbation is rounded away)."""
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
+    text = (f"{method}: {knob} = {value:g} moved no loss ({losses} at +{knob} and -{knob} are equal bit for "
+            f"bit), so the step has no direction; the parameters are {', '.join(dtypes)}")
+    if "bfloat16" in dtypes:
+        text += (f": in bfloat16 a perturbation below half an ulp of what it is added to is rounded away "
+                 f"(GRZO: each perturbed module's output; MeZO: each weight), so raise {knob}")
+    return text
+
+
 class GRZO:
-    """``GRZO(model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0)``.
+    """``GRZO(model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0,
+    group=None, shards=None)``.
 
     ``step(closure)`` and ``estimate(closure)``: the closure runs the model's forward
     (hooks perturb it; weights are never touched by the forwards) and returns the B
@@ -89,13 +111,22 @@ class GRZO:
 
     Refused, with nothing written and the counter kept: non-finite losses
     (``NonFiniteLossError``), B = 1 under ``"std"``, a closure of the wrong shape.
-    Under ``"std"`` all-equal δ takes no step (``NoStepWarning``; the counter advances).
+    Under ``"std"`` all-equal δ takes no step (``NoStepWarning``; the counter advances),
+    and so does, under either normalization, a σ that moved no loss at all (the warning
+    names σ and the dtype: in bf16 a small σ is rounded away).
+
+    ``group``: the data-parallel process group whose ranks hold the other examples of
+    the batch, b each, rank r global examples r·b, ..., r·b + b - 1 (None: this process
+    holds the whole batch). Every refusal is then collective: one rank's bad closure,
+    unequal local batches or different seeds refuse the step on every rank.
+    ``shards``: {parameter name: ``Shard(full_shape, offset)`` or (full_shape, offset)}
+    for parameters that are tensor-parallel shards of a larger whole of the same name.
     """
 
     method = "GRZO"
 
     def __init__(self, model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0,
-                 block_elements=BLOCK_ELEMENTS):
+                 block_elements=BLOCK_ELEMENTS, group=None, shards=None):
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
         self.lr = _check_nonnegative("lr", lr)
@@ -105,14 +136,17 @@ class GRZO:
         self.normalize = normalize
         self.seed = check_seed(seed)
         self.block_elements = _check_block_elements(block_elements)
-        self.targets = find_targets(model, self.method)
+        self.targets = find_targets(model, self.method, shards)
+        self.group = group
+        self.data_rank, self.data_world = data_parallel.group_rank(group)
         self.call = 0
 
-    def _forwards(self, closure, draws):
+    def _local_forwards(self, closure, draws):
         batches, losses = [], []
         with torch.no_grad():
             for sign in (1, -1):
-                with Perturbed(self.targets, draws, self.sigma, sign, self.block_elements) as hooks:
+                with Perturbed(self.targets, draws, self.sigma, sign, self.block_elements,
+                               self.data_rank) as hooks:
                     losses.append(per_example_losses(closure()))
                 batches.append(hooks.batch)
         batch = losses[0].numel()
@@ -123,19 +157,52 @@ class GRZO:
             raise ValueError(f"the closure returned {batch} losses at +sigma and {losses[1].numel()} at -sigma")
         return losses[0], losses[1], batch
 
+    def _forwards(self, closure, draws):
+        """The losses of the whole batch at +σ and -σ and its size B (all ranks')."""
+        if self.group is None:
+            return self._local_forwards(closure, draws)
+        try:
+            plus, minus, batch = self._local_forwards(closure, draws)
+        except Exception:
+            data_parallel.agree(self.group, self.method, 0, False, self.seed, self.call)
+            raise
+        data_parallel.agree(self.group, self.method, batch, True, self.seed, self.call)
+        plus, minus = data_parallel.gather_losses(self.group, plus, minus)
+        return plus, minus, plus.numel()
+
     def _draw(self, closure, draws):
-        """The two forwards and the coefficients c_i (None: all-equal δ under "std")."""
+        """The two forwards, B, the coefficients c_i and, when there is no direction (c
+        None), why: no loss moved, or all-equal δ under "std"."""
         plus, minus, batch = self._forwards(closure, draws)
-        return plus, minus, batch, coefficients(plus, minus, self.sigma, self.normalize, self.eps)
+        c = coefficients(plus, minus, self.sigma, self.normalize, self.eps)
+        if torch.equal(plus, minus):
+            return plus, minus, batch, None, unmoved_message(self.method, "sigma", self.sigma,
+                                                               f"all {batch} per-example losses",
+                                                               [t.param for t in self.targets])
+        if c is None:
+            return plus, minus, batch, None, (f"{self.method}: all {batch} differences δ_i are equal, so their "
+                                              f"standard deviation is 0 and normalize='std' has no direction")
+        return plus, minus, batch, c, None
 
     def _block_estimate(self, target, draws, c, batch, rows):
-        """ĝ at ``rows`` of a matrix target (or the whole vector when ``rows`` is None)."""
+        """ĝ at ``rows`` of a matrix target (or the whole vector when ``rows`` is None).
+
+        Σ_i c_i r_i s_iᵀ is summed example by example, in example order, not by a matmul:
+        each term is ±c_i exactly (the signs are ±1), so every element gets the same
+        sequence of roundings whatever the BLAS, the CPU, the device, its place in the
+        block or the shard (a shard's update is then the slice of the whole's)."""
         work = target.work_dtype
-        weights = c.to(work)
-        row_signs = draws.signs(target, ROW, batch)
+        weighted = c.to(work)[:, None] * draws.signs(target, ROW, batch)
         if rows is None:
-            return draws.base(target, None) * (weights @ row_signs) / batch
-        mixed = row_signs[:, rows].T @ (weights[:, None] * draws.signs(target, COL, batch))
+            mixed = torch.zeros_like(weighted[0])
+            for term in weighted:
+                mixed += term
+            return draws.base(target, None) * mixed / batch
+        weighted = weighted[:, rows]
+        columns = draws.signs(target, COL, batch)
+        mixed = torch.zeros(len(rows), target.cols, dtype=work, device=target.param.device)
+        for i in range(batch):
+            mixed.addr_(weighted[i], columns[i])
         estimate = draws.base(target, rows) * mixed / batch
         padding = getattr(target.module, "padding_idx", None) if target.role == "embedding" else None
         if padding is not None:
@@ -155,10 +222,9 @@ class GRZO:
     def estimate_with(self, draws, closure) -> dict:
         """``estimate`` with given draws (any object with ``base`` and ``signs`` like
         ``CallDraws``; the harness passes enumerated sign patterns); the counter stays."""
-        _, _, batch, c = self._draw(closure, draws)
+        _, _, batch, c, why = self._draw(closure, draws)
         if c is None:
-            warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
-                                        f"standard deviation is 0; the estimate is zero"), stacklevel=3)
+            warnings.warn(NoStepWarning(f"{why}; the estimate is zero"), stacklevel=3)
         out = {}
         with torch.no_grad():
             for target in self.targets:
@@ -173,12 +239,10 @@ class GRZO:
     def step(self, closure) -> ZerothOrderStep:
         """One update W ← W - lr (ĝ + weight_decay W) of every target, row block by row block."""
         draws = CallDraws(self.seed, self.call)
-        plus, minus, batch, c = self._draw(closure, draws)
+        plus, minus, batch, c, why = self._draw(closure, draws)
         self.call += 1
         if c is None:
-            warnings.warn(NoStepWarning(f"{self.method}: all {batch} differences δ_i are equal, so their "
-                                        f"standard deviation is 0 and normalize='std' has no direction; "
-                                        f"no step taken (the weights are unchanged)"), stacklevel=2)
+            warnings.warn(NoStepWarning(f"{why}; no step taken (the weights are unchanged)"), stacklevel=2)
             return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for target in self.targets:

@@ -7,15 +7,24 @@ The restore is not exact: each in-place write rounds, so θ comes back within
 ½ (ulp(θ₁) + ulp(θ₂) + ulp(θ₃)) of where it was (fp32; bf16 adds its double rounding),
 θ_k the three stored values (proofs/zeroth_order.md, "MeZO's restore"); ``estimate``
 therefore changes the weights by at most that drift, and nothing else.
+
+Data parallelism (``group``): every rank draws the same z (shared seed and counter) and
+the two losses are averaged over the ranks (``data_parallel.average_losses``: 2 float64
+numbers per rank per step), so every rank takes the same step: the single-process step
+whose loss is the mean of the ranks' mean losses. Tensor parallelism (``shards``): z of
+a shard is drawn at the whole's global (row-major) indices, the slice of the whole's z.
 """
+
+import warnings
 
 import torch
 
-from ..errors import NonFiniteLossError
+from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
+from . import data_parallel
 from .draws import BASE, standard_normal, stream_key
-from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative
-from .targets import SUPPORTED_DTYPES
+from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, unmoved_message
+from .targets import SUPPORTED_DTYPES, check_shards
 
 
 def _scalar_loss(value) -> torch.Tensor:
@@ -28,16 +37,21 @@ def _scalar_loss(value) -> torch.Tensor:
 
 
 class MeZO:
-    """``MeZO(model, lr, eps=1e-3, weight_decay=0.0, seed=0)``; ``step(closure)``,
-    ``estimate(closure)`` (the closure returns a scalar loss), ``state_dict()``.
+    """``MeZO(model, lr, eps=1e-3, weight_decay=0.0, seed=0, group=None, shards=None)``;
+    ``step(closure)``, ``estimate(closure)`` (the closure returns a scalar loss),
+    ``state_dict()``.
 
     Every trainable floating parameter is perturbed, whatever its module. A non-finite
     loss raises ``NonFiniteLossError`` after the restore, with no step and the counter kept.
+    An ε that moved no loss (L⁺ = L⁻ bit for bit: in bf16 a small ε is rounded away)
+    takes no step and warns (``NoStepWarning``, naming ε and the dtype; the counter advances).
+    ``group`` and ``shards`` as for ``GRZO`` (the module docstring says what is exchanged).
     """
 
     method = "MeZO"
 
-    def __init__(self, model, lr, eps=1e-3, weight_decay=0.0, seed=0, block_elements=BLOCK_ELEMENTS):
+    def __init__(self, model, lr, eps=1e-3, weight_decay=0.0, seed=0, block_elements=BLOCK_ELEMENTS,
+                 group=None, shards=None):
         self.lr = _check_nonnegative("lr", lr)
         self.eps = _check_nonnegative("eps", eps, positive=True)
         self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
@@ -54,11 +68,26 @@ class MeZO:
             self.params.append((name, param))
         if not self.params:
             raise ValueError("MeZO: the model has no trainable parameters")
+        self.shards = check_shards(self.params, shards, self.method)
+        self.group = group
+        data_parallel.group_rank(group)
         self.call = 0
 
     @staticmethod
     def _work(param):
         return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+    def _counters(self, name, param, start, stop):
+        """The global (row-major, in the whole) indices of flat elements [start, stop)."""
+        local = torch.arange(start, stop, device=param.device)
+        shard = self.shards.get(name)
+        if shard is None:
+            return local
+        if param.dim() == 1:
+            return local + shard.offset[0]
+        rows = torch.div(local, param.shape[1], rounding_mode="floor")
+        cols = local - rows * param.shape[1]
+        return (rows + shard.offset[0]) * shard.full_shape[1] + shard.offset[1] + cols
 
     def _blocks(self, name, param):
         """(flat view of a block, z of that block in the work dtype) over the parameter."""
@@ -66,7 +95,7 @@ class MeZO:
         key = stream_key(self.seed, self.call, name, BASE)
         for start in range(0, flat.numel(), self.block_elements):
             stop = min(start + self.block_elements, flat.numel())
-            counter = torch.arange(start, stop, device=param.device)
+            counter = self._counters(name, param, start, stop)
             yield flat[start:stop], standard_normal(key, counter, self._work(param))
 
     def _shift(self, factor):
@@ -75,7 +104,8 @@ class MeZO:
                 for block, z in self._blocks(name, param):
                     block.copy_(block.to(z.dtype) + factor * (self.eps * z))
 
-    def _draw(self, closure):
+    def _local_losses(self, closure):
+        """This process's losses at θ + εz and θ - εz; θ restored whatever happens."""
         losses, displaced = [], 0.0  # the weights sit at θ + displaced · εz
         try:
             with torch.no_grad():
@@ -86,15 +116,35 @@ class MeZO:
         finally:
             if displaced:
                 self._shift(-displaced)
-        plus, minus = (v.to(torch.float64) for v in losses)
+        return torch.stack([v.to(torch.float64) for v in losses])
+
+    def _draw(self, closure):
+        if self.group is None:
+            plus, minus = self._local_losses(closure)
+        else:
+            try:
+                local = self._local_losses(closure)
+            except Exception:
+                data_parallel.agree(self.group, self.method, 1, False, self.seed, self.call)
+                raise
+            data_parallel.agree(self.group, self.method, 1, True, self.seed, self.call)
+            plus, minus = data_parallel.average_losses(self.group, local)
         if not (torch.isfinite(plus) and torch.isfinite(minus)):
             raise NonFiniteLossError("the loss is not finite (NaN or infinity); no step was taken "
                                      "(the weights were restored from the perturbation)")
         return plus, minus, (plus - minus) / (2 * self.eps)
 
+    def _unmoved(self, plus, minus) -> str | None:
+        if not torch.equal(plus, minus):
+            return None
+        return unmoved_message(self.method, "eps", self.eps, "the losses", [p for _, p in self.params])
+
     def estimate(self, closure) -> dict:
         """{parameter name: ĝ = (L⁺ - L⁻)/(2ε) z} in the work dtype (fp32 for fp32 and bf16)."""
-        _, _, projected = self._draw(closure)
+        plus, minus, projected = self._draw(closure)
+        why = self._unmoved(plus, minus)
+        if why:
+            warnings.warn(NoStepWarning(f"{why}; the estimate is zero"), stacklevel=2)
         out = {}
         for name, param in self.params:
             parts = [float(projected) * z for _, z in self._blocks(name, param)]
@@ -104,6 +154,12 @@ class MeZO:
 
     def step(self, closure) -> ZerothOrderStep:
         plus, minus, projected = self._draw(closure)
+        why = self._unmoved(plus, minus)
+        if why:
+            self.call += 1
+            warnings.warn(NoStepWarning(f"{why}; no step taken (the weights are as the restore left them)"),
+                          stacklevel=2)
+            return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for name, param in self.params:
                 for block, z in self._blocks(name, param):

@@ -16,7 +16,13 @@ Supported (the module's own forward, not a subclass that overrides it):
 Each hook adds exactly the first-order change of the output, which for these modules
 is the whole change: the output is affine in each of their parameters, so the hooked
 forward equals the forward with the parameter moved by ±σ Δ_i for example i (up to
-rounding). Example i is index i along dim 0 of the module's input.
+rounding). Example i is index i along dim 0 of the module's input; under data
+parallelism it is global example ``first + i`` (``Perturbed``'s ``data_rank``).
+
+A tensor-parallel shard (a row or column range of a matrix, a range of a vector) is
+declared with ``Shard(full_shape, offset)`` for its parameter name: its base, signs and
+updates are then drawn at the whole's global indices, i.e. they are the slice of the
+whole's (``check_shards``).
 """
 
 from dataclasses import dataclass
@@ -31,6 +37,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _SUPPORTED_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The place of a parameter inside the whole it is a shard of: ``full_shape`` the
+    whole's shape, ``offset`` the index of the shard's first element in it (one entry
+    per dimension; a matrix's (row, column), a vector's (element,))."""
+
+    full_shape: tuple
+    offset: tuple
+
+
 @dataclass(eq=False)
 class Target:
     """One trainable parameter and how it is perturbed.
@@ -43,10 +59,27 @@ class Target:
     module: nn.Module
     param: nn.Parameter
     role: str
+    shard: Shard = None
 
     @property
     def is_matrix(self) -> bool:
         return self.role in ("linear", "embedding")
+
+    @property
+    def row_offset(self) -> int:
+        return self.shard.offset[0] if self.shard else 0
+
+    @property
+    def col_offset(self) -> int:
+        return self.shard.offset[1] if self.shard and self.is_matrix else 0
+
+    @property
+    def full_rows(self) -> int:
+        return self.shard.full_shape[0] if self.shard else self.rows
+
+    @property
+    def full_cols(self) -> int:
+        return self.shard.full_shape[1] if self.shard and self.is_matrix else self.cols
 
     @property
     def rows(self) -> int:
@@ -74,9 +107,10 @@ def _base_type(module):
     return next((t for t in _SUPPORTED_MODULES if isinstance(module, t)), None)
 
 
-def find_targets(model: nn.Module, method: str) -> list:
+def find_targets(model: nn.Module, method: str, shards=None) -> list:
     """The model's trainable parameters as targets, in ``named_modules`` order; anything
-    this method cannot perturb is refused naming its module."""
+    this method cannot perturb is refused naming its module. ``shards``: see
+    ``check_shards``."""
     targets, seen = [], {}
     for module_name, module in model.named_modules():
         trainable = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -104,7 +138,49 @@ def find_targets(model: nn.Module, method: str) -> list:
             targets.append(Target(name, module, param, _roles(module)[local]))
     if not targets:
         raise ValueError(f"{method}: the model has no trainable parameters")
+    checked = check_shards([(t.name, t.param) for t in targets], shards, method)
+    for target in targets:
+        target.shard = checked.get(target.name)
     return targets
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_shards(names_and_params, shards, method: str) -> dict:
+    """{parameter name: Shard} from ``shards`` ({name: Shard or (full_shape, offset)}),
+    each checked against its parameter: a known trainable name, one entry per dimension,
+    non-negative integers, the shard inside the whole. None gives {}."""
+    if shards is None:
+        return {}
+    if not isinstance(shards, dict):
+        raise TypeError(f"{method}: shards must be a dict {{parameter name: (full_shape, offset)}}, "
+                        f"got {type(shards).__name__}")
+    params = dict(names_and_params)
+    checked = {}
+    for name, spec in shards.items():
+        if name not in params:
+            raise ValueError(f"{method}: shards names '{name}', which is not a trainable parameter of the "
+                             f"model (have {sorted(params)})")
+        shape = tuple(params[name].shape)
+        try:
+            full_shape, offset = (tuple(spec.full_shape), tuple(spec.offset)) if isinstance(spec, Shard) \
+                else (tuple(spec[0]), tuple(spec[1]))
+        except (TypeError, IndexError):
+            raise TypeError(f"{method}: the shard of '{name}' must be Shard(full_shape, offset) or a pair "
+                            f"(full_shape, offset), got {spec!r}") from None
+        if len(shape) not in (1, 2):
+            raise ValueError(f"{method}: '{name}' has shape {shape}; shards are of 1-D or 2-D parameters")
+        if len(full_shape) != len(shape) or len(offset) != len(shape) \
+                or not all(_is_index(v) for v in full_shape + offset):
+            raise ValueError(f"{method}: the shard of '{name}' (shape {shape}) needs a full shape and an offset "
+                             f"of {len(shape)} non-negative integers each, got {full_shape} and {offset}")
+        if any(o + n > f for o, n, f in zip(offset, shape, full_shape)):
+            raise ValueError(f"{method}: the shard of '{name}' (shape {shape} at offset {offset}) does not fit "
+                             f"inside the full shape {full_shape}")
+        checked[name] = Shard(full_shape, offset)
+    return checked
 
 
 def row_blocks(target: Target, block_elements: int):
@@ -119,24 +195,33 @@ def _per_example(values: torch.Tensor, ndim: int) -> torch.Tensor:
     return values.reshape(values.shape[0], *([1] * (ndim - values.dim())), *values.shape[1:])
 
 
-def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elements: int) -> torch.Tensor:
-    """The change of the module's output per unit σ, example by example (work dtype)."""
+def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elements: int,
+                  first: int = 0) -> torch.Tensor:
+    """The change of the module's output per unit σ, example by example (work dtype);
+    the local examples are global examples first, ..., first + batch - 1."""
     work = target.work_dtype
     if target.role == "linear":
-        xs = x.to(work) * _per_example(draws.signs(target, COL, batch), x.dim())
-        parts = [xs @ draws.base(target, rows).T for rows in row_blocks(target, block_elements)]
-        change = torch.cat(parts, dim=-1)
-        return change * _per_example(draws.signs(target, ROW, batch), change.dim())
+        xs = x.to(work) * _per_example(draws.signs(target, COL, batch, first), x.dim())
+        # filled block by block and scaled in place: one activation-sized tensor, no copies
+        change = torch.empty(*x.shape[:-1], target.rows, dtype=work, device=x.device)
+        for rows in row_blocks(target, block_elements):
+            change[..., rows[0]:rows[-1] + 1] = xs @ draws.base(target, rows).T
+        return change.mul_(_per_example(draws.signs(target, ROW, batch, first), change.dim()))
     if target.role == "embedding":
         flat = x.reshape(batch, -1)
         used, inverse = torch.unique(flat, return_inverse=True)
-        rows = draws.signs(target, ROW, batch).gather(1, flat)
+        rows = draws.signs(target, ROW, batch, first).gather(1, flat)
         if target.module.padding_idx is not None:
             rows = rows * (flat != target.module.padding_idx)  # the padding row is not trained
-        change = draws.base(target, used)[inverse] * rows[..., None] * draws.signs(target, COL, batch)[:, None, :]
+        columns = draws.signs(target, COL, batch, first)[:, None, :]
+        # the used rows' U in row blocks too: the draws' temporaries stay block-sized
+        per_block = max(1, block_elements // target.cols)
+        base = torch.cat([draws.base(target, used[start:start + per_block])
+                          for start in range(0, len(used), per_block)])
+        change = base[inverse] * rows[..., None] * columns
         return change.reshape(*x.shape, target.cols)
     shape = target.param.shape
-    direction = (draws.base(target, None) * draws.signs(target, ROW, batch)).reshape(batch, *shape)
+    direction = (draws.base(target, None) * draws.signs(target, ROW, batch, first)).reshape(batch, *shape)
     if target.role == "shift":
         return _per_example(direction, x.dim())
     module = target.module
@@ -147,15 +232,26 @@ def output_change(target: Target, draws, x: torch.Tensor, batch: int, block_elem
     return normalised * _per_example(direction, x.dim())
 
 
+def _accumulate(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """total + part, in place when total already has the broadcast shape (a bias's change
+    is (B, 1, ..., n) and broadcasts against the output)."""
+    if total.shape == torch.broadcast_shapes(total.shape, part.shape):
+        return total.add_(part)
+    return total + part
+
+
 class Perturbed:
     """Context: forward hooks on every target's module adding ``sign · scale`` times the
-    targets' output change; records the batch size every hooked call saw."""
+    targets' output change; records the batch size every hooked call saw. ``data_rank``
+    r: this process holds global examples r·b, ..., r·b + b - 1 of its local batch b
+    (data parallelism with equal local batches)."""
 
-    def __init__(self, targets, draws, scale: float, sign: int, block_elements: int):
+    def __init__(self, targets, draws, scale: float, sign: int, block_elements: int, data_rank: int = 0):
         self.by_module = {}
         for target in targets:
             self.by_module.setdefault(target.module, []).append(target)
         self.draws, self.scale, self.sign, self.block_elements = draws, scale, sign, block_elements
+        self.data_rank = data_rank
         self.batch = None
         self.handles = []
 
@@ -170,9 +266,13 @@ class Perturbed:
                              f"shared by all examples, such as a position embedding called with "
                              f"arange(T), must be frozen)")
         self.batch = batch
-        work = targets[0].work_dtype
-        change = sum(output_change(t, self.draws, x, batch, self.block_elements) for t in targets)
-        return (output.to(work) + (self.sign * self.scale) * change).to(output.dtype)
+        first = self.data_rank * batch
+        # accumulated in place (the widest module's output may be the logits): the same
+        # operations, so the same bits, as output + (sign · scale) · Σ changes
+        change = output_change(targets[0], self.draws, x, batch, self.block_elements, first)
+        for target in targets[1:]:
+            change = _accumulate(change, output_change(target, self.draws, x, batch, self.block_elements, first))
+        return _accumulate(change.mul_(self.sign * self.scale), output).to(output.dtype)
 
     def __enter__(self):
         self.handles = [m.register_forward_hook(self._hook) for m in self.by_module]
