@@ -65,7 +65,9 @@ class ChunkProblem:
                 f"seed={self.seed}")
 
     def model(self, dtype=torch.float32):
-        return TinyChunkModel(self.vocab, self.width, self.hidden, self.seed).to(dtype)
+        """Built on the CPU (the same initial bits everywhere), then moved to where the
+        kernels run."""
+        return TinyChunkModel(self.vocab, self.width, self.hidden, self.seed).to(fk.kernel_device(), dtype)
 
     def batches(self, steps):
         gen = torch.Generator().manual_seed(self.seed + 1)
@@ -73,7 +75,8 @@ class ChunkProblem:
         for _ in range(steps):
             tokens = torch.randint(0, self.vocab, (self.batch, self.length), generator=gen)
             tokens[0, 0] = 0  # the padding row is always looked up
-            out.append((tokens, torch.randint(0, self.vocab, (self.batch, self.length), generator=gen)))
+            targets = torch.randint(0, self.vocab, (self.batch, self.length), generator=gen)
+            out.append((tokens.to(fk.kernel_device()), targets.to(fk.kernel_device())))
         return out
 
 
@@ -326,20 +329,22 @@ def sgd_chunk_step_descends(x, y, w0, chunks, split, steps, lr_factor=1.0):
     model = nn.Linear(K, N, bias=False)
     with torch.no_grad():
         model.weight.copy_(w0)
+    model.to(fk.kernel_device())
     ctl = fk.ChunkFT(model, fk.SGD(lr=1.0), chunks, split=split)
-    x64, y64 = x.double(), y.double()
+    x64, y64 = x.double().cpu(), y.double().cpu()  # the float64 bound is computed on the CPU
+    x, y = x.to(fk.kernel_device()), y.to(fk.kernel_device())
     worst = 0.0
     for t in range(steps):
         ((_, dim, start, stop),) = ctl.chunk_slices(ctl.active_chunk)
         L = chunk_smoothness(x64, dim, start, stop)
         lr = lr_factor / L
         ctl.param_groups[0]["lr"] = lr
-        w = model.weight.detach().double().clone()
+        w = model.weight.detach().double().cpu().clone()
         index = (slice(start, stop), slice(None)) if dim == 0 else (slice(None), slice(start, stop))
         f0 = quadratic_objective(w, x64, y64)
         g = quadratic_gradient(w, x64, y64)[index]
         ctl.step(lambda: 0.5 * (model(x) - y).square().sum())
-        w_new = model.weight.detach().double()
+        w_new = model.weight.detach().double().cpu()
         f1 = quadratic_objective(w_new, x64, y64)
         bound = f0 - float(g.square().sum()) / (2 * L) + descent_slack(w, w_new, x64, y64, lr, dim, start, stop)
         if f1 > bound:
