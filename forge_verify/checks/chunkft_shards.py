@@ -46,7 +46,8 @@ def _shard(model, world, rank):
     """(local model, shards) for ``rank``: up's rows and bias rows, down's columns."""
     hidden = model.up.out_features
     r0, r1 = bounds(hidden, world, rank)
-    local = ColumnThenRow(model.up.in_features, r1 - r0, model.down.out_features).to(model.up.weight.dtype)
+    local = ColumnThenRow(model.up.in_features, r1 - r0, model.down.out_features).to(model.up.weight.device,
+                                                                                     model.up.weight.dtype)
     with torch.no_grad():
         local.up.weight.copy_(model.up.weight[r0:r1])
         local.up.bias.copy_(model.up.bias[r0:r1])
@@ -68,7 +69,8 @@ def sharded_steps_are_slices_of_unsharded(rule, regime: Regime, split, world, ch
     """Runs 2·chunks steps unsharded and on each of ``world`` simulated ranks; raises
     AssertionError at the first local weight whose bits are not the unsharded slice's."""
     torch.manual_seed(seed)
-    whole = ColumnThenRow(inputs, hidden, outputs).to(regime.weight)
+    # Built on the CPU (the same initial bits everywhere), stepped where the kernels run.
+    whole = ColumnThenRow(inputs, hidden, outputs).to(fk.kernel_device(), regime.weight)
     options = dict(split=split, seed=regime.seed, state_format=regime.state_format, rounding=regime.rounding)
     ranks = []
     for rank in range(world):
@@ -76,7 +78,7 @@ def sharded_steps_are_slices_of_unsharded(rule, regime: Regime, split, world, ch
         ranks.append((local, fk.ChunkFT(local, copy.deepcopy(rule), chunks, shards=shards, **options), bounds))
     ctl = fk.ChunkFT(whole, copy.deepcopy(rule), chunks, **options)
     gen = torch.Generator().manual_seed(seed + 1)
-    draw = lambda *shape: torch.randn(*shape, generator=gen).to(regime.weight)  # noqa: E731
+    draw = lambda *shape: torch.randn(*shape, generator=gen).to(fk.kernel_device(), regime.weight)  # noqa: E731
     for t in range(2 * chunks):
         x_up, dy_up, x_down, dy_down = draw(tokens, inputs), draw(tokens, hidden), draw(tokens, hidden), draw(
             tokens, outputs)
