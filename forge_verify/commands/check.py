@@ -136,7 +136,9 @@ def _parallel_args(workers: int) -> list:
         return []
     # pytest-benchmark (where installed) refuses to run beside xdist, as an error under
     # this project's warning filters: the properties time nothing, so it stays out.
-    return ["-n", str(workers), "-p", "no:benchmark"]
+    # worksteal: the longest properties (tile invariance, 20 interpreted steps per example)
+    # would otherwise leave one worker busy alone at the end.
+    return ["-n", str(workers), "--dist", "worksteal", "-p", "no:benchmark"]
 
 
 def run_check(marker: str = "not slow", extra_args=(), details_path=DETAILS, workers=None) -> int:
