@@ -54,10 +54,10 @@ def test_frozen_unsupported_modules_are_fine():
     assert [ctl.chunk_slices(c) for c in range(2)] == [[("1.weight", 0, 0, 2)], [("1.bias", 0, 0, 2)]]
 
 
-def test_misuse_is_refused():
-    model = nn.Sequential(nn.Linear(3, 3))
+def test_misuse_is_refused(device):
+    model = nn.Sequential(nn.Linear(3, 3)).to(device)
     ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
-    x = torch.randn(2, 3)
+    x = torch.randn(2, 3).to(device)
     with pytest.raises(TypeError, match="closure"):
         ctl.step()
     with pytest.raises(RuntimeError, match="outside ChunkFT.step"):
@@ -66,7 +66,7 @@ def test_misuse_is_refused():
         ctl.step(lambda: model(model(x)).sum())
     with pytest.raises(ValueError, match="empty"):
         fk.ChunkFT(nn.Sequential(nn.Linear(2, 1, bias=False)), fk.SGD(lr=0.1), chunks=2)
-    outside = nn.Sequential(nn.Linear(3, 3))
+    outside = nn.Sequential(nn.Linear(3, 3)).to(device)
     ctl = fk.ChunkFT(outside, fk.SGD(lr=0.1), chunks=1)
     with pytest.raises(RuntimeError, match="from a use outside its module"):
         ctl.step(lambda: (outside(x) + x @ outside[0].weight).sum())
@@ -81,16 +81,16 @@ def test_checkpoint_of_another_configuration_is_refused():
 
 
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
-def test_one_chunk_is_the_plain_fused_update(state_format):
+def test_one_chunk_is_the_plain_fused_update(state_format, device):
     """chunks=1 (the properties' dense step) is fk.fused_weight_update on the whole weight
     with the tensor's rounding key: bitwise, weight and state."""
     torch.manual_seed(0)
-    layer = nn.Linear(40, 6, bias=False)
+    layer = nn.Linear(40, 6, bias=False).to(device)
     weight = layer.weight.detach().clone()
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     ctl = fk.ChunkFT(nn.Sequential(layer), rule, chunks=1, seed=5, state_format=state_format)
-    x = torch.randn(3, 40)
-    dy = torch.randn(3, 6)
+    x = torch.randn(3, 40).to(device)
+    dy = torch.randn(3, 6).to(device)
     ctl.step(lambda: (layer(x) * dy).sum())
     state = rule.init_state(weight, state_format=state_format)
     fk.fused_weight_update(x, dy, weight, state, rule, 1, seed=fk.chunkft.tensor_seed(5, 0))
@@ -153,13 +153,13 @@ class _Stack(nn.Module):
 
 @pytest.mark.parametrize("split", ["rows", "cols"])
 @pytest.mark.parametrize("norm_bias", [True, False])
-def test_forward_and_input_gradient_are_unchanged(split, norm_bias):
+def test_forward_and_input_gradient_are_unchanged(split, norm_bias, device):
     torch.manual_seed(0)
-    plain = _Stack(norm_bias)
-    chunked = _Stack(norm_bias)
+    plain = _Stack(norm_bias).to(device)
+    chunked = _Stack(norm_bias).to(device)
     chunked.load_state_dict(plain.state_dict())
     ctl = fk.ChunkFT(chunked, fk.AdamW(lr=1e-3), chunks=3, split=split)
-    x = torch.randn(2, 3, 6)
+    x = torch.randn(2, 3, 6).to(device)
     x_plain, x_chunked = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = plain(x_plain)
     out.square().sum().backward()
@@ -184,7 +184,7 @@ def test_lr_scheduler_drives_the_rule_per_optimizer_step():
     assert seen == [0.1 * 0.5 ** t for t in range(5)]
 
 
-def test_host_state_store_gives_the_device_stores_bits():
+def test_host_state_store_gives_the_device_stores_bits(device):
     problem = ChunkProblem(vocab=6, width=5, hidden=7, batch=1, length=3, seed=2)
     runs = []
     for store in ("device", "host"):
@@ -193,8 +193,9 @@ def test_host_state_store_gives_the_device_stores_bits():
         for tokens, targets in problem.batches(5):
             ctl.step(lambda: F.cross_entropy(model(tokens).reshape(-1, 6), targets.reshape(-1)))
         runs.append([p.detach().clone() for p in model.parameters()])
-        inactive = ctl.chunk_state(1 - ctl.active_chunk)
-        assert all(t.device.type == "cpu" for s in inactive.values() for t in s.values())
+        inactive = ctl.chunk_state(1 - ctl.active_chunk)  # the host store's is in host memory, the device's not
+        where = "cpu" if store == "host" else device.type
+        assert all(t.device.type == where for s in inactive.values() for t in s.values())
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -246,15 +247,16 @@ class _Wrap(nn.Module):
 
 
 @pytest.mark.parametrize("padding_idx, scale_grad_by_freq", [(None, False), (2, False), (2, True)])
-def test_embedding_step_is_the_rule_on_autograds_gradient(padding_idx, scale_grad_by_freq):
+def test_embedding_step_is_the_rule_on_autograds_gradient(padding_idx, scale_grad_by_freq, device):
     """Model level: what ChunkFT's Embedding backward feeds the rule is autograd's gradient
     (fp32, bitwise): the padding row and the frequency scaling reach the update."""
     torch.manual_seed(1)
     embedding = nn.Embedding(9, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
     plain = nn.Embedding(9, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
     plain.load_state_dict(embedding.state_dict())
-    tokens = torch.tensor([[2, 2, 5, 1, 2, 7]])
-    dy = torch.randn(1, 6, 4)
+    embedding, plain = embedding.to(device), plain.to(device)
+    tokens = torch.tensor([[2, 2, 5, 1, 2, 7]]).to(device)
+    dy = torch.randn(1, 6, 4).to(device)
     rule = fk.SGD(lr=0.5)
     ctl = fk.ChunkFT(_Wrap(embedding), rule, chunks=1)
     ctl.step(lambda: (embedding(tokens) * dy).sum())
@@ -270,7 +272,7 @@ def test_embedding_step_is_the_rule_on_autograds_gradient(padding_idx, scale_gra
 @pytest.mark.parametrize("make", [lambda: nn.LayerNorm(12), lambda: nn.LayerNorm(12, bias=False),
                                   lambda: nn.RMSNorm(12), lambda: nn.RMSNorm(12, eps=1e-3),
                                   lambda: nn.Linear(5, 12)], ids=["ln", "ln-nobias", "rms", "rms-eps", "linear"])
-def test_norm_and_bias_steps_follow_autograds_gradient(make):
+def test_norm_and_bias_steps_follow_autograds_gradient(make, device):
     """Model level: an SGD step of each norm (and a Linear's bias) moves its parameters by
     lr times autograd's gradient, to fp32 accuracy (a norm stepped with another norm's
     mathematics, the anchor's RMSNorm defect, is off by its whole gradient)."""
@@ -280,8 +282,9 @@ def test_norm_and_bias_steps_follow_autograds_gradient(make):
         for p in module.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     plain.load_state_dict(module.state_dict())
-    x = torch.randn(4, 3, module.weight.shape[1] if isinstance(module, nn.Linear) else 12) * 2 + 0.5
-    dy = torch.randn(4, 3, 12)
+    module, plain = module.to(device), plain.to(device)
+    x = (torch.randn(4, 3, module.weight.shape[1] if isinstance(module, nn.Linear) else 12) * 2 + 0.5).to(device)
+    dy = torch.randn(4, 3, 12).to(device)
     ctl = fk.ChunkFT(_Wrap(module), fk.SGD(lr=0.25), chunks=1)
     ctl.step(lambda: (module(x) * dy).sum())
     (plain(x) * dy).sum().backward()

@@ -18,19 +18,19 @@ from forge_verify.checks.problems import Regime
 from forge_verify.numerics.bits import int_view
 
 
-def _autocast():
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+def _autocast(device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_linear_step_is_the_fused_kernel_on_autocasts_bf16_operands(weight_dtype):
+def test_linear_step_is_the_fused_kernel_on_autocasts_bf16_operands(weight_dtype, device):
     torch.manual_seed(0)
-    layer = nn.Linear(12, 5, bias=False).to(weight_dtype)
+    layer = nn.Linear(12, 5, bias=False).to(device, weight_dtype)
     weight = layer.weight.detach().clone()
     rule = fk.AdamW(lr=1e-2)
     ctl = fk.ChunkFT(nn.Sequential(layer), rule, chunks=1, seed=3)
-    x, dy = torch.randn(4, 12), torch.randn(4, 5)
-    with _autocast():
+    x, dy = torch.randn(4, 12).to(device), torch.randn(4, 5).to(device)
+    with _autocast(device):
         ctl.step(lambda: (layer(x) * dy).sum())
     # The loss's gradient reaches the bf16 output as dy rounded to bf16.
     fk.fused_weight_update(x.bfloat16(), dy.bfloat16(), weight, rule.init_state(weight), rule, 1,
@@ -52,14 +52,14 @@ class _Stack(nn.Module):
 # bf16 input with an fp32 weight takes its unfused path, in the plain model as in ours.
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("split", ["rows", "cols"])
-def test_forward_and_input_gradient_are_autocasts(split):
+def test_forward_and_input_gradient_are_autocasts(split, device):
     torch.manual_seed(1)
-    plain, chunked = _Stack(), _Stack()
+    plain, chunked = _Stack().to(device), _Stack().to(device)
     chunked.load_state_dict(plain.state_dict())
     ctl = fk.ChunkFT(chunked, fk.AdamW(lr=1e-3), chunks=3, split=split)
-    x = torch.randn(2, 3, 6)
+    x = torch.randn(2, 3, 6).to(device)
     x_plain, x_chunked = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with _autocast():
+    with _autocast(device):
         out = plain(x_plain)
         out.float().square().sum().backward()
         seen = []
@@ -76,7 +76,7 @@ def test_forward_and_input_gradient_are_autocasts(split):
     pytest.param(Regime(), "cols", id="fp32-cols", marks=pytest.mark.slow),
     pytest.param(Regime(weight=torch.bfloat16, state_format="bf16", seed=4), "cols", id="bf16-stochastic-cols")])
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
-def test_chunk_step_is_the_dense_step_on_its_slices_under_autocast(regime, split):
+def test_chunk_step_is_the_dense_step_on_its_slices_under_autocast(regime, split, device):
     problem = chunkft.ChunkProblem(vocab=7, width=6, hidden=5, batch=1, length=3, seed=8)
-    with _autocast():
+    with _autocast(device):
         chunkft.chunk_step_matches_dense(problem, fk.AdamW(lr=1e-2, weight_decay=0.1), regime, 3, split)

@@ -52,14 +52,14 @@ class _Model(nn.Module):
 # it, which a gradient computed with nn.RMSNorm's (unrounded) x̂ misses by about 2⁻⁹.
 @pytest.mark.parametrize("dtype, norm_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                (torch.bfloat16, torch.bfloat16)])
-def test_forward_input_gradient_and_sgd_step_follow_the_module(dtype, norm_dtype):
+def test_forward_input_gradient_and_sgd_step_follow_the_module(dtype, norm_dtype, device):
     torch.manual_seed(3)
-    plain, chunked = _Model(dtype, norm_dtype), _Model(dtype, norm_dtype)
+    plain, chunked = _Model(dtype, norm_dtype).to(device), _Model(dtype, norm_dtype).to(device)
     chunked.load_state_dict(plain.state_dict())
     chunked.up.requires_grad_(False)  # the norm alone, whole: one chunk
     ctl = fk.ChunkFT(chunked, fk.SGD(lr=0.25), chunks=1)
-    x = torch.randn(4, 3, 6, dtype=dtype)
-    dy = torch.randn(4, 3, 16, dtype=dtype)
+    x = torch.randn(4, 3, 6, dtype=dtype).to(device)
+    dy = torch.randn(4, 3, 16, dtype=dtype).to(device)
     x_plain, x_chunked = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = plain(x_plain)
     (out * dy).sum().backward()
@@ -77,7 +77,7 @@ class _LlamaNormProblem(chunkft.ChunkProblem):
 
     def model(self, dtype=torch.float32):
         model = super().model(dtype)
-        norm = modeling_llama.LlamaRMSNorm(self.hidden, eps=1e-6).to(dtype)
+        norm = modeling_llama.LlamaRMSNorm(self.hidden, eps=1e-6).to(model.rms.weight.device, dtype)
         with torch.no_grad():
             norm.weight.copy_(model.rms.weight)
         model.rms = norm

@@ -81,8 +81,10 @@ def test_prefetch_gives_the_host_stores_bits_and_prefetches_the_next_chunk(order
     assert saved_a["state"].keys() == saved_b["state"].keys()
     for key, state in saved_a["state"].items():
         for slot, tensor in state.items():
-            assert tensor.dtype == saved_b["state"][key][slot].dtype == torch.float32  # offloaded in fp32
-            assert torch.equal(tensor.view(torch.int32), saved_b["state"][key][slot].view(torch.int32)), (key, slot)
+            other = saved_b["state"][key][slot]
+            assert tensor.dtype == other.dtype == torch.float32  # offloaded in fp32
+            # On CUDA the chunk prefetched at the end is on the device in one run, on the host in the other.
+            assert torch.equal(tensor.cpu().view(torch.int32), other.cpu().view(torch.int32)), (key, slot)
 
 
 def test_state_bytes_follow_the_chunk():
