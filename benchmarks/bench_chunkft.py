@@ -103,7 +103,8 @@ def _measure(step, warmup, steps, device):
 
 
 def run(args):
-    device = torch.device("cpu" if args.smoke else "cuda")
+    # Smoke mode runs where the kernels run (the CPU here, the GPU on a GPU machine), at tiny sizes.
+    device = fk.kernel_device() if args.smoke else torch.device("cuda")
     shapes = SMOKE if args.smoke else LLAMA3_8B
     torch.manual_seed(0)
     model = build_model(args.layers, shapes, device)
