@@ -35,10 +35,14 @@ layer's outcome at once (one synchronization); ``check="manual"`` leaves it to
 ``check()``, which reads the latest replay's outcome. A replay in which a layer's
 inputs were non-finite (that layer wrote nothing) or some tiles were non-finite (left
 unstepped) stops the capture: the layers are released with their own step counts, as
-the eager path would leave them, and the error is raised; go on eagerly, or from a
-checkpoint. While captured, a fused layer refuses an eager backward (its steps would
-be counted twice); ``release()`` gives the layers back. ``state_dict()`` of a captured
-model checks the latest replay first.
+eager training with ``report="defer"`` would leave them, and the error is raised; go on
+eagerly, or from a checkpoint. An error inside ``step_fn`` during a warm-up step, or a
+layer stepped twice in one step (gradient accumulation: refused) or not at all, also
+releases every layer at the step it really took. While captured, a fused layer refuses
+an eager backward (its steps would be counted twice), ``fk.Trainer``, a second
+``CapturedStep`` and a checkpoint load; a deep copy of it is not captured.
+``release()`` gives the layers back. ``state_dict()`` of a captured model checks the
+latest replay first.
 
 What a graph cannot change is refused or fixed at capture: the inputs' shapes and
 addresses (copy new data into the same tensors), the model's structure, the rule's
@@ -55,6 +59,7 @@ import torch
 
 from .errors import NonFiniteInputError
 from .linear import ForgeLinear
+from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import fused_weight_update
 from .ops.step_scalars import StepScalarsGroup
 
@@ -62,7 +67,8 @@ CHECKS = ("every step", "manual")
 
 
 def _detached(value):
-    return value.detach() if isinstance(value, torch.Tensor) else value
+    """``value`` with every tensor in it (also inside tuples, lists and dicts) detached."""
+    return torch.utils._pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
 class CapturedStep:
@@ -80,14 +86,18 @@ class CapturedStep:
         if not layers:
             raise ValueError("CapturedStep needs a model with fused layers (fk.fuse); for a model without any, "
                              "capture its step with torch.cuda.graph directly")
+        for layer in layers:
+            if layer.forge_backward is not None or layer.forge_owner is not None:
+                raise RuntimeError(f"fused layer {layer.forge_name!r} is driven by another training driver "
+                                   "(fk.Trainer, another CapturedStep?): capture a model that no driver holds")
+            if is_dtensor(layer.weight):
+                raise NotImplementedError(f"fused layer {layer.forge_name!r} is tensor-parallel (a DTensor weight): "
+                                          "CapturedStep does not capture tensor-parallel layers")
         devices = {layer.weight.device for layer in layers}
         if any(device.type != "cuda" for device in devices) or len(devices) > 1:
             raise RuntimeError(f"CapturedStep needs every fused layer on one CUDA device (CUDA graphs); the layers "
                                f"are on {sorted(map(str, devices))}")
         for layer in layers:
-            if layer.forge_backward is not None:
-                raise RuntimeError(f"fused layer {layer.forge_name!r} is driven by another training driver "
-                                   "(fk.Trainer, another CapturedStep?): capture a model that no driver holds")
             layer.forge_check()
         failed = [layer.forge_name for layer in layers if layer._failed_step is not None]
         if failed:
@@ -104,7 +114,8 @@ class CapturedStep:
         self._checked = True        # whether the latest step's outcome has been read
         self._outcomes = {}         # layer -> UpdateReport of its latest launch
         self._running = False       # inside this object's own run of step_fn
-        self._stream = torch.cuda.Stream(device=devices.pop())
+        self._device = devices.pop()
+        self._stream = torch.cuda.Stream(device=self._device)
         by_rule = {}
         for layer in layers:
             by_rule.setdefault(id(layer.rule), []).append(layer)
@@ -124,6 +135,10 @@ class CapturedStep:
         same static tensor at every replay, holding this step's value)."""
         if not self.active:
             raise RuntimeError("this CapturedStep was released or stopped; make a new one to capture again")
+        with torch.cuda.device(self._device):
+            return self._call()
+
+    def _call(self):
         self.check()  # "manual": the previous step's outcome goes unread only until this call
         step = self.step + 1
         for group in self._groups:
@@ -141,40 +156,64 @@ class CapturedStep:
         return returned
 
     def _eager(self, step):
+        """A warm-up step. Whatever goes wrong in it (an error in ``step_fn``, a layer
+        stepped twice or not at all) releases the layers at the step each really took:
+        eager kernels have run for the layers that stepped."""
         self._outcomes.clear()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream), self._own_run():
-            returned = self.step_fn()
-        torch.cuda.current_stream().wait_stream(self._stream)
-        self._require_every_layer_stepped(step)
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._stream), self._own_run():
+                returned = self.step_fn()
+            current.wait_stream(self._stream)
+            self._require_every_layer_stepped(step)
+        except BaseException:
+            current.wait_stream(self._stream)
+            self._settle(step)
+            raise
         self._warmup_left -= 1
         return returned
 
     def _capture(self):
+        """Record ``step_fn`` once. Recording runs no kernel, so whatever goes wrong here
+        leaves every layer at the step it was at."""
         self._outcomes.clear()
         self.graph = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream())
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
         try:
             with torch.cuda.graph(self.graph, stream=self._stream), self._own_run():
                 # Kept without its autograd graph: that graph's nodes hold the layers, the
                 # layers this object, and a cycle through C++ nodes is never collected.
                 self.loss = _detached(self.step_fn())
+            current.wait_stream(self._stream)
+            self._require_every_layer_stepped(self.step + 1)
         except BaseException:
             self._stop(self.step)
             raise
-        torch.cuda.current_stream().wait_stream(self._stream)
-        self._require_every_layer_stepped(self.step + 1)
 
     def _require_every_layer_stepped(self, step):
         missing = [layer.forge_name for layer in self.layers if layer not in self._outcomes]
         if missing:
-            # The layers that did step are at ``step``; the missing ones are not.
-            stepped = set(self._outcomes)
-            for layer in self.layers:
-                layer._set_step(step if layer in stepped else step - 1)
-            self._stop(None)
             raise RuntimeError(f"fused layers {missing} took no backward in step {step}: a captured step must "
                                "step every fused layer of the model once; the layers are released")
+
+    def _settle(self, step):
+        """Release the layers after a warm-up ``step`` that failed part-way: a layer that
+        stepped cleanly is at ``step``; one that did not step, or whose inputs were
+        non-finite (it wrote nothing), at ``step - 1``; one with non-finite tiles stops at
+        ``step``, as eagerly."""
+        errors = {}
+        for layer in self.layers:
+            outcome = self._outcomes.get(layer)
+            if outcome is None:
+                errors[layer] = None
+                continue
+            try:
+                outcome.check()
+            except FloatingPointError as error:
+                errors[layer] = error
+        self._stop(step, errors)
 
     @contextlib.contextmanager
     def _own_run(self):
@@ -192,6 +231,10 @@ class CapturedStep:
         if not self._running:
             raise RuntimeError(f"fused layer {layer.forge_name!r} is captured by a CapturedStep: its steps are "
                                "the CapturedStep's calls. Call it, or its release(), not the model's backward")
+        if layer in self._outcomes:
+            raise RuntimeError(f"fused layer {layer.forge_name!r} took a second backward in one step of a "
+                               "CapturedStep: a fused weight takes one step per backward, so step_fn must run one "
+                               "backward through each fused layer (no gradient accumulation)")
         with torch.no_grad():
             self._outcomes[layer] = fused_weight_update(
                 x2d, dy2d, layer.weight.data, layer.forge_state, layer.rule, self._scalars[layer],
@@ -206,7 +249,8 @@ class CapturedStep:
         if self._checked or not self.active:
             return
         self._checked = True
-        statuses = torch.stack([self._outcomes[layer].status for layer in self.layers]).cpu()
+        with torch.cuda.device(self._device):
+            statuses = torch.stack([self._outcomes[layer].status for layer in self.layers]).cpu()
         bad = [layer for layer, status in zip(self.layers, statuses) if bool(status.any())]
         if not bad:
             return
@@ -226,20 +270,23 @@ class CapturedStep:
         raise first
 
     def _stop(self, step, errors=None):
-        """Release the layers to eager training and drop the graph. At ``step`` (None:
-        the counts are set already): a layer whose inputs were non-finite wrote nothing
-        and stays at step - 1; one with non-finite tiles stops at ``step``, as eagerly."""
+        """Release the layers to eager training and drop the graph, the layers at ``step``
+        except those with an entry in ``errors``: ``None`` (took no backward) or a
+        ``NonFiniteInputError`` (wrote nothing) leave a layer at step - 1; another error
+        (non-finite tiles) stops it at ``step``, as eagerly."""
         errors = errors or {}
         for layer in self.layers:
             layer.forge_backward = None
             layer.forge_owner = None
-            if step is None:
+            if layer not in errors:
+                layer._set_step(step)
                 continue
-            error = errors.get(layer)
-            layer._set_step(step if error is None else step - 1)
+            layer._set_step(step - 1)
+            error = errors[layer]
             if error is not None and not isinstance(error, NonFiniteInputError):
                 layer._failed_step = step
-        self.graph = None
+        self.graph = self.loss = None
+        self._outcomes = {}
         self.active = False
 
     def release(self):

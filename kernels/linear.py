@@ -248,9 +248,13 @@ class ForgeLinear(nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def __getstate__(self):
-        # A deep copy holds checked steps only (and no CUDA event).
+        # A deep copy holds checked steps only (and no CUDA event), and is nobody's
+        # captured layer: the CapturedStep (its graph, its streams) stays with the original.
         self.forge_check()
-        return super().__getstate__()
+        state = super().__getstate__()
+        if state.get("forge_owner") is not None:
+            state = {**state, "forge_owner": None, "forge_backward": None}
+        return state
 
     def get_extra_state(self):
         """The rule's class name, as UTF-8 JSON in a uint8 tensor (see the class docstring)."""
@@ -304,6 +308,10 @@ class ForgeLinear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self.forge_owner is not None:
+            # The graph would go on writing the old tensors, with its own step count.
+            raise RuntimeError(f"fused layer {self.forge_name!r} is captured by a CapturedStep: release() it "
+                               "before loading a checkpoint")
         mismatch = self._checkpoint_mismatch(state_dict, prefix)
         if mismatch is not None:
             # As torch does for a shape mismatch: reported by load_state_dict, strict or not.
@@ -369,6 +377,9 @@ class ForgeLinear(nn.Linear):
         ``forge_step`` where it is (a micro-batch of an accumulated step). ``report``
         (default: the layer's) is ``"raise"`` or ``"defer"``, as in the constructor."""
         report = self.report if report is None else check_report(report)
+        if self.forge_owner is not None:
+            raise RuntimeError(f"fused layer {self.forge_name!r} is captured by a CapturedStep: its steps are the "
+                               "CapturedStep's calls; release() it to step it any other way")
         # First, on every rank alike: bringing the operands to their layouts may take
         # collectives, which a rank raising below must not leave its peers waiting in.
         if is_dtensor(self.weight):

@@ -179,6 +179,10 @@ class Trainer:
         self.layers = fused_layers(model)
         if not self.layers:
             raise ValueError("the model has no fused layers; call fk.fuse(model, rule) first")
+        captured = [layer.forge_name for layer in self.layers if layer.forge_owner is not None]
+        if captured:
+            raise RuntimeError(f"fused layers {captured[:3]} are captured by a CapturedStep: release() it before "
+                               "training the model with a Trainer")
         sharded = [layer.forge_name for layer in self.layers if is_dtensor(layer.weight)]
         if sharded:
             raise NotImplementedError(
@@ -260,6 +264,10 @@ class Trainer:
         """Forward and backward every micro-batch, with ``backward_for(index)`` as the fused
         layers' backward action."""
         losses = []
+        captured = [layer.forge_name for layer in self.layers if layer.forge_owner is not None]
+        if captured:
+            raise RuntimeError(f"fused layers {captured[:3]} were captured by a CapturedStep after this Trainer was "
+                               "made: release() it before the Trainer steps them")
         try:
             for index, closure in enumerate(closures):
                 action = backward_for(index)

@@ -145,3 +145,89 @@ def test_capture_refuses_what_it_cannot_do(device):
         fk.CapturedStep(model, lambda: None, warmup=0)
     with pytest.raises(TypeError, match="step_fn must be callable"):
         fk.CapturedStep(model, None)
+
+
+class _Owner:
+    """Stands in for a CapturedStep holding a layer (the CPU has no graphs)."""
+
+    def __init__(self):
+        self.checks = 0
+
+    def check(self):
+        self.checks += 1
+
+
+def test_a_layer_held_by_a_capture_refuses_every_other_driver(device):
+    """While a layer has an owner: its own backward, fk.Trainer, a second capture and a
+    checkpoint load are refused, nothing stepped; state_dict() asks the owner to check
+    its latest step first; a deep copy is nobody's."""
+    (model, _), batch = _models(device, "fp32")
+    owner = _Owner()
+    for layer in fk.fused_layers(model):
+        layer.forge_owner = owner
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert owner.checks == 2  # one per layer, for the state_dict just taken
+    with pytest.raises(RuntimeError, match="captured by a CapturedStep"):
+        _loss(model, batch()).backward()
+    with pytest.raises(RuntimeError, match="captured by a CapturedStep: release"):
+        fk.Trainer(model, None)
+    with pytest.raises(RuntimeError, match="another training driver"):
+        fk.CapturedStep(model, lambda: None)
+    with pytest.raises(RuntimeError, match="release\\(\\) it before loading"):
+        model.load_state_dict(before)
+    _assert_same_models(model, _models(device, "fp32")[0][1], "after the refusals")
+    clone = copy.deepcopy(model)
+    assert all(layer.forge_owner is None and layer.forge_backward is None for layer in fk.fused_layers(clone))
+
+
+@needs_cuda
+def test_an_error_in_a_warm_up_step_releases_the_layers_at_the_step_they_took():
+    """step_fn raises after its backward in the warm-up: both layers stepped (eagerly), so
+    they are released at step 1; eager training then goes on bitwise the eager model."""
+    (eager, graphed), batch = _models("cuda", "fp32")
+    static_x = torch.empty(24, 48, device="cuda")
+
+    def failing():
+        _loss(graphed, static_x).backward()
+        raise KeyError("after the backward")
+    step = fk.CapturedStep(graphed, failing)
+    x = batch()
+    static_x.copy_(x)
+    with pytest.raises(KeyError):
+        step()
+    assert not step.active and int(graphed[0].forge_step) == 1
+    _loss(eager, x).backward()
+    fk.check_updates(eager)
+    _assert_same_models(graphed, eager, "after the failed warm-up")
+
+
+@needs_cuda
+def test_two_backwards_in_one_step_are_refused():
+    (_, graphed), batch = _models("cuda", "fp32")
+    static_x = torch.empty(24, 48, device="cuda")
+
+    def accumulating():
+        for half in (static_x[:12], static_x[12:]):
+            _loss(graphed, half).backward()
+    step = fk.CapturedStep(graphed, accumulating)
+    static_x.copy_(batch())
+    with pytest.raises(RuntimeError, match="second backward in one step"):
+        step()
+    assert [int(layer.forge_step) for layer in fk.fused_layers(graphed)] == [1, 1]
+
+
+@needs_cuda
+def test_replays_run_the_graph_not_the_python_step():
+    (_, graphed), batch = _models("cuda", "fp32")
+    static_x = torch.empty(24, 48, device="cuda")
+    step = _captured(graphed, static_x)
+    calls = []
+    original = step._step_layer
+    step._step_layer = lambda *args: (calls.append(1), original(*args))
+    for layer in fk.fused_layers(graphed):
+        layer.forge_backward = step._step_layer
+    for _ in range(4):
+        static_x.copy_(batch())
+        step()
+    assert step.graph is not None
+    assert len(calls) == 2 * 2  # the warm-up's and the capture's, one per layer: replays run no Python

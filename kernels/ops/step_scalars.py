@@ -109,7 +109,7 @@ class StepScalarsGroup:
         host = np.zeros((len(self.members), _WORDS), dtype=np.int32)
         host[:, :NUM_SCALARS] = np.asarray(scalars, dtype=np.float32).view(np.int32)
         # stream_seed(seed, step): SplitMix64(SplitMix64(seed) ^ 4 step) >> 1
-        keys = _splitmix64(self._mixed ^ np.uint64(int(step) * 4)) >> np.uint64(1)
+        keys = _splitmix64(self._mixed ^ np.uint64((int(step) * 4) & 0xFFFFFFFFFFFFFFFF)) >> np.uint64(1)
         host[:, NUM_SCALARS:] = keys.astype(np.int64).reshape(-1, 1).view(np.int32)
         staged = torch.from_numpy(host.reshape(-1))
         if self.device.type == "cuda":
