@@ -56,6 +56,7 @@ interpreter has no graphs: refused with an error).
 import contextlib
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .errors import NonFiniteInputError
 from .linear import ForgeLinear
@@ -68,7 +69,7 @@ CHECKS = ("every step", "manual")
 
 def _detached(value):
     """``value`` with every tensor in it (also inside tuples, lists and dicts) detached."""
-    return torch.utils._pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
 class CapturedStep:
