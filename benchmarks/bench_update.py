@@ -49,16 +49,10 @@ from triton.testing import do_bench
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if "forge_kernels" not in sys.modules:
-    try:
-        import forge_kernels  # noqa: F401
-    except ImportError:  # a checkout without an install: map kernels/ to forge_kernels
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("forge_kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["forge_kernels"] = module
-        spec.loader.exec_module(module)
+sys.path.insert(0, str(HERE))
+from checkout import forge_kernels  # noqa: E402
+
+forge_kernels()
 import forge_kernels as fk  # noqa: E402
 from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
 

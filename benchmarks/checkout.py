@@ -1,0 +1,23 @@
+"""``forge_kernels`` for the benchmark scripts: the installed package where there is one,
+otherwise this checkout's ``kernels/`` loaded under that name (the lent GPU machine has
+its own torch and Triton and nothing installed from this project)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def forge_kernels():
+    """The ``forge_kernels`` module, imported or mapped from the checkout once."""
+    if "forge_kernels" not in sys.modules:
+        try:
+            import forge_kernels  # noqa: F401
+        except ImportError:
+            spec = importlib.util.spec_from_file_location("forge_kernels", ROOT / "kernels" / "__init__.py",
+                                                          submodule_search_locations=[str(ROOT / "kernels")])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["forge_kernels"] = module
+            spec.loader.exec_module(module)
+    return sys.modules["forge_kernels"]
