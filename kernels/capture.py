@@ -108,7 +108,7 @@ class CapturedStep:
         if len(steps) > 1:
             raise RuntimeError(f"the fused layers are at different steps {sorted(steps)}: a captured step advances "
                                "them together, so it needs them at one step (did some layer take no backward?)")
-        self.model, self.step_fn, self.check_mode, self.layers = model, step_fn, check, layers
+        self.step_fn, self.check_mode, self.layers = step_fn, check, layers
         self.step = steps.pop()     # the step the latest call took
         self.graph = self.loss = None
         self._warmup_left = warmup

@@ -112,3 +112,19 @@ def test_capture_refuses_a_numbered_step_and_report_raise():
                 # Something captured before the refusal: an empty graph warns, and warnings are errors here.
                 torch.ones(1, device="cuda").add_(1)
                 fk.fused_weight_update(x, dy, weight, state, rule, step, report=report)
+
+
+def test_a_group_writes_each_members_own_step_scalars():
+    """StepScalarsGroup (one buffer, keys derived vectorized) holds, for every member, the
+    words its own StepScalars.set would write: the same scalars and the same Philox key
+    (stream_seed), at seeds and steps at the ends of their ranges."""
+    from forge_kernels.ops.step_scalars import StepScalarsGroup
+    rule = fk.AdamW(lr=1e-2)
+    seeds = [0, 1, 7, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 123456789012345678]
+    group = StepScalarsGroup(rule, seeds, device="cpu")
+    for step in (1, 2, 1000, 2**31, 2**32 + 5, 2**62, 2**63 - 1):
+        group.set(step)
+        for seed, member in zip(seeds, group.members):
+            own = fk.StepScalars(rule, seed=seed, device="cpu").set(step)
+            assert torch.equal(member.words, own.words), f"seed {seed}, step {step}"
+            assert member.step == step

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..rules.base import NUM_SCALARS
-from .stochastic_round import check_seed, stream_seed
+from .stochastic_round import check_seed, stream_seed, stream_seeds
 
 _WORDS = NUM_SCALARS + 2  # int32 words: the float32 scalars, then the int64 key
 
@@ -78,15 +78,6 @@ class StepScalars:
         return f"StepScalars({self.rule!r}, seed={self.seed}, step={self.step}, device={self.device})"
 
 
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 on uint64 arrays (wrapping, as ``stochastic_round._splitmix64`` masks)."""
-    with np.errstate(over="ignore"):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 class StepScalarsGroup:
     """The ``StepScalars`` of many updates that share ``rule`` (each with its own seed:
     the layers of one ``fuse``), in one device buffer: ``set(step)`` computes the rule's
@@ -100,7 +91,7 @@ class StepScalarsGroup:
         self.words = torch.zeros(len(seeds) * _WORDS, dtype=torch.int32, device=self.device)
         self.members = [StepScalars(rule, seed=seed, device=device, words=self.words[i * _WORDS:(i + 1) * _WORDS])
                         for i, seed in enumerate(seeds)]
-        self._mixed = _splitmix64(np.asarray(seeds, dtype=np.uint64))
+        self._seeds = np.asarray(seeds, dtype=np.uint64)
         self.step = None
 
     def set(self, step) -> "StepScalarsGroup":
@@ -108,8 +99,7 @@ class StepScalarsGroup:
         scalars = self.rule.scalars(step)
         host = np.zeros((len(self.members), _WORDS), dtype=np.int32)
         host[:, :NUM_SCALARS] = np.asarray(scalars, dtype=np.float32).view(np.int32)
-        # stream_seed(seed, step): SplitMix64(SplitMix64(seed) ^ 4 step) >> 1
-        keys = _splitmix64(self._mixed ^ np.uint64((int(step) * 4) & 0xFFFFFFFFFFFFFFFF)) >> np.uint64(1)
+        keys = stream_seeds(self._seeds, int(step))
         host[:, NUM_SCALARS:] = keys.astype(np.int64).reshape(-1, 1).view(np.int32)
         staged = torch.from_numpy(host.reshape(-1))
         if self.device.type == "cuda":

@@ -15,6 +15,7 @@ if infinity were the next representable value; round-to-nearest does the same fo
 values past the midpoint.
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -104,11 +105,23 @@ def _stochastic_round_kernel(x_ptr, out_ptr, n, seed, offset, BLOCK: tl.constexp
 _MASK64 = 2**64 - 1
 
 
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (z + _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return z ^ (z >> 31)
+
+
+def _splitmix64_array(z: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` on a uint64 array (numpy's uint64 arithmetic wraps, as the mask does)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(_GAMMA)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    return z ^ (z >> np.uint64(31))
 
 
 def stream_seed(seed: int, step: int, output: int = 0) -> int:
@@ -119,6 +132,12 @@ def stream_seed(seed: int, step: int, output: int = 0) -> int:
     need 24 bits, the four whole words of one call per element (``_rule_epilogue``).
     ``fuse`` derives its layers' seeds with it too."""
     return _splitmix64(_splitmix64(seed) ^ (step * 4 + output)) >> 1
+
+
+def stream_seeds(seeds, step: int, output: int = 0) -> np.ndarray:
+    """``stream_seed(seed, step, output)`` for every seed in ``seeds`` at once (uint64 array)."""
+    mixed = _splitmix64_array(np.asarray(seeds, dtype=np.uint64))
+    return _splitmix64_array(mixed ^ np.uint64((step * 4 + output) & _MASK64)) >> np.uint64(1)
 
 
 def check_seed(seed) -> int:
