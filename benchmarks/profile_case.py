@@ -1,0 +1,42 @@
+"""One fused-kernel case launched a few times, for a profiler to pick one launch:
+
+    ncu --clock-control none --kernel-name regex:_fused_weight_update_kernel --launch-skip 3 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section InstructionStats --section ComputeWorkloadAnalysis \
+        python3 benchmarks/profile_case.py bf16-sr stochastic 256
+
+Arguments: regime (fp32, bf16-sr, q8), rounding (stochastic, nearest, none), tokens (0
+runs the epilogue alone). 4096 x 4096, the tuned config for the token count.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+
+from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
+
+
+def main():
+    regime, rounding, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rounding = None if rounding == "none" else rounding
+    configs = json.loads(bu.CONFIGS_FILE.read_text())
+    config = tuple(configs[regime][str(max(int(x) for x in configs[regime] if int(x) <= max(tokens, 256)))])
+    layer = bu.Layer(4096, 4096, max(tokens, 1), regime)
+    if tokens == 0:
+        layer.x, layer.dy = layer.x[:0], layer.dy[:0]
+    r = bu.fk.AdamW(lr=1e-3, weight_decay=0.01)
+    epilogue = _Epilogue(layer.w, layer.fresh_state(r), r, 1, bu.fk.TileConfig(*config), rounding, 0, 1.0, None)
+    for _ in range(4):
+        handle = epilogue.fused(layer.x, layer.dy, layer.w)
+    torch.cuda.synchronize()
+    print(regime, rounding, tokens, config, "regs", handle.n_regs, "spills", handle.n_spills,
+          "smem", handle.metadata.shared, flush=True)
+
+
+if __name__ == "__main__":
+    main()
