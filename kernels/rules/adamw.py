@@ -2,12 +2,19 @@
 
 Same formula and operation order as ``torch.optim.AdamW``'s single-tensor path;
 square root and division round correctly (``sqrt_rn``/``div_rn``) on every backend.
+The division by the bias correction ``sqrt(1 - beta2**step)``, one scalar, is
+``div_by_scalar_rn``: the same bits as ``div_rn`` for these operands (the dividend is a
+square root: 0, non-finite, or at least 2**-74.5, the square root of the smallest
+subnormal; the divisor lies in [2**-26.5, 1], since 1 - beta2 >= 2**-53 for a float64
+beta2 below 1; so the quotient is 0, non-finite or at least 2**-74.5, normal), at a
+fraction of its instructions (proofs/scalar_division.md).
 """
 
 import triton
 import triton.language as tl
 
 from .base import Rule, bias_corrections, check_real
+from .scalar_division import div_by_scalar_rn, reciprocal_f64
 
 
 @triton.jit
@@ -16,7 +23,7 @@ def adamw_update(w, g, m, v, unused, decay, beta1, one_minus_beta1, beta2, one_m
     w = w * decay
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    denom = div_by_scalar_rn(tl.sqrt_rn(v), reciprocal_f64(bias_correction2_sqrt)) + eps
     w = w - step_size * tl.div_rn(m, denom)
     return w, m, v, unused
 
