@@ -5,7 +5,7 @@ agreed scale sum exactly; the factors hash equal on every rank after every refre
 the parameters stay identical; error feedback loses nothing, across a refresh
 (proofs/gift.md, "Error feedback"). The reduce-scatter exchange (the default): with the
 identity codec it is the rank-order fp32 sum over the world size, bit for bit; each
-format's result is within the second quantization's bound (proofs/gift.md, section 8)
+format's result is within the second quantization's bound (proofs/gift.md, section 7)
 of the mean of what the ranks sent, equal on every rank; it receives 2 (n − 1)/n of the
 code bytes; its two residuals together lose nothing; a sum that overflows is refused on
 every rank."""

@@ -3,7 +3,7 @@ reduce=fk.gift.GiftSplitReducer(...))``, jobs in
 ``forge_verify/distributed/gift_split_jobs.py``), on 2 gloo ranks: with the identity codec
 the step is the fp32 all-reduce's bit for bit on exactly representable data; with E4M3
 every bucket's sum is within the bound derived in proofs/gift.md ("6. A summed
-exchange", and 8 for the reduce-scatter exchange's second quantization). The ranks' sums are compared for equality: each rank applies T^{-1} (a matrix
+exchange", and 7 for the reduce-scatter exchange's second quantization). The ranks' sums are compared for equality: each rank applies T^{-1} (a matrix
 product) itself, which gives equal bits because both ranks share this machine's BLAS and
 thread count."""
 

@@ -169,7 +169,8 @@ def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
 
 
 def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedback: bool = True,
-                    batch: int = 8, lr: float = 3e-3, refresh_every: int = 50, rank: int = 32):
+                    batch: int = 8, lr: float = 3e-3, refresh_every: int = 50, rank: int = 32,
+                    exchange: str = "reduce_scatter"):
     """DDP training of the tiny GPT (``forge_verify.models.tiny_gpt``) on the shipped tales,
     each rank its own batches, AdamW. ``fmt`` "fp32-allreduce" is DDP's own averaging;
     otherwise every gradient crosses as ``fmt`` through ``gift_hook``, the MLP output
@@ -188,7 +189,8 @@ def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedb
     ddp = DistributedDataParallel(model)
     if fmt != "fp32-allreduce":
         layers = [block.out for block in model.blocks] if selection == "fc2" else []
-        state = fk.gift.GiftState(None, fmt, rank, refresh_every, layers=layers, error_feedback=error_feedback)
+        state = fk.gift.GiftState(None, fmt, rank, refresh_every, layers=layers, error_feedback=error_feedback,
+                                  exchange=exchange)
         ddp.register_comm_hook(state, fk.gift.gift_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())

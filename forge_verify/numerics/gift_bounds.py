@@ -78,7 +78,7 @@ FP8_STEPS = {"e4m3": (2.0 ** -4, 2.0 ** -10, 448.0), "e5m2": (2.0 ** -3, 2.0 ** 
 
 def fp8_requantization_coefficients(fmt: str):
     """(ρ, τ·s) with |fl(q(fl(z·s)) / s) − z| ≤ ρ|z| + τ for every fp32 z under a scale s
-    with |z·s| ≤ max (proofs/gift.md, section 8): ρ = h(1+u) + u + u(1+u)(1+h), τ = t(1+u)/s."""
+    with |z·s| ≤ max (proofs/gift.md, section 7): ρ = h(1+u) + u + u(1+u)(1+h), τ = t(1+u)/s."""
     u = U32
     h, t, _ = FP8_STEPS[fmt]
     return h * (1 + u) + u + u * (1 + u) * (1 + h), t * (1 + u)
@@ -90,7 +90,7 @@ def reduce_scatter_element_bound(fmt: str, sent_sum: torch.Tensor, sent_abs_sum:
     exchange without error feedback, where ŷ_r is what rank r decoded locally from its
     own codes (``last_sent``), ``sent_sum`` = Σ_r ŷ_r and ``sent_abs_sum`` = Σ_r |ŷ_r|
     (float64, the tensor's shape) and out the exchange's mean before T^{-1} (world a power
-    of two, so that out · world is exact). Two parts (proofs/gift.md, section 8): the shard
+    of two, so that out · world is exact). Two parts (proofs/gift.md, section 7): the shard
     sum Z's fp32 rounding against Σ_r ŷ_r, ε = (world + 2) u Σ_r |ŷ_r|, and the second
     quantization of Z under the scale agreed from max |Z|."""
     u = U32
@@ -119,7 +119,7 @@ def e4m3_sum_bound(whitening, sent_norms, grad_norms, scale: float, numel: int,
     sent y_r = apply(G_r) (``sent_norms``: ‖y_r‖_F, ``grad_norms``: ‖G_r‖_F, ``numel``
     elements each) and out = invert(fl(Σ_r values_r / scale)) (proofs/gift.md, "6. A
     summed exchange"); ``exchange="reduce_scatter"``: out = invert(Q₂(Z)), Z =
-    fl(Σ_r values_r / scale) re-quantized under its own agreed scale (section 8).
+    fl(Σ_r values_r / scale) re-quantized under its own agreed scale (section 7).
     ``whitening`` None: the plain route (T = I, exact maps)."""
     u = U32
     world = len(sent_norms)

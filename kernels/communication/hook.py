@@ -29,7 +29,7 @@ them. Codes travel as uint8 (gloo cannot reduce float8), in one of two exchanges
   second MAX all-reduce (of the shard sums' amax per tensor, with a flag for a sum that
   overflowed); one all-gather of the re-quantized shards gives every rank the same
   codes, which it decodes. Every rank receives 2 (world − 1) / world payloads, at the
-  cost of the second quantization's error (proofs/gift.md, section 8).
+  cost of the second quantization's error (proofs/gift.md, section 7).
 
 Either way the result is then divided by the world size and (GIFT route) T^{-1} applied.
 Error feedback on the reduce-scatter exchange keeps two residuals: each rank's own first
