@@ -11,15 +11,21 @@ scales 1 … 0.1, plus isotropic noise 0.05).
   would return this rank's payload): transform (GIFT route), residual added, amax and
   non-finite check, scale, quantize, local decode and residual, decode of the gathered
   payload, fp32 sum, unscale, inverse transform (``GiftState.prepare``, ``encode``,
-  ``combine``, error feedback on). The bf16 row is a cast to bf16 and back, what torch's
-  ``bf16_compress_hook`` computes around its all-reduce; fp32 computes nothing.
+  ``combine``, error feedback on), for the all-gather exchange. The reduce-scatter
+  exchange's rows leave it blank: its second quantization sits between two collectives,
+  so it cannot be timed with them skipped, and it is not timed yet. The bf16 row is a
+  cast to bf16 and back, what torch's ``bf16_compress_hook`` computes around its
+  all-reduce; fp32 computes nothing.
 * **refresh**: ``Whitening.from_covariance(A, rank, damping)`` (float64 ``eigh`` on the
   GPU) once per distinct K, median of ``--refresh-repeats`` (one at K > 4096).
-* **bytes** per step for this tensor, counted from the codecs: what one rank contributes
-  (payload, plus the amax vector for the low-precision formats) and what every rank
-  receives at ``--world`` ranks: an all-gather of the payload ((W − 1) payloads) for
-  GIFT's hook; a ring all-reduce (2 (W − 1)/W of the payload) for torch's fp32 and bf16
-  hooks. Plain and GIFT send the same bytes per step; GIFT adds, every
+* **bytes** per step for this tensor at ``--world`` ranks, counted from the codecs, per
+  exchange: what one rank passes into the collectives (as ``GiftState.wire_bytes``
+  counts) and what every rank receives. ``all_gather``: the payload P and the amax
+  vector in; (W − 1) P received. ``reduce_scatter``: the payload padded to W shards of
+  whole codec units, P', into the all-to-all and its shard P'/W into the all-gather, and
+  two amax vectors; 2 (W − 1)/W · P' received. The amax vectors' MAX all-reduces and
+  torch's fp32 and bf16 hooks are counted as a ring all-reduce (2 (W − 1)/W of the
+  input). Plain and GIFT send the same bytes per step; GIFT adds, every
   ``--refresh-every`` steps, the all-reduce of A (K² fp32) and the factors' broadcast,
   shown amortized per step.
 
@@ -49,6 +55,7 @@ from forge_kernels.communication.codecs import CODECS  # noqa: E402
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
 SMOKE_SHAPES = ((48, 64), (160, 64), (64, 160))
 LOW_PRECISION = ("e4m3", "e5m2", "nvfp4")
+EXCHANGES = ("all_gather", "reduce_scatter")
 
 
 def median_ms(fn, device, repeats: int) -> float:
@@ -91,25 +98,33 @@ def time_refresh(A, rank, damping, repeats, device):
 
 def hook_compute(fmt, G, whitening):
     """The hook's compute for one gradient on one rank (collectives skipped), as a closure."""
-    state = fk.gift.GiftState(None, fmt, layers=(), error_feedback=True)
+    state = fk.gift.GiftState(None, fmt, layers=(), error_feedback=True, exchange="all_gather")
     entries = [("g", G, whitening)]
 
     def run():
         sent, amax = state.prepare(entries)
         state.refuse_non_finite(entries, amax)
-        mine, contexts = state.encode(entries, sent, amax)
-        return state.combine(entries, [mine], contexts)[0]
+        payloads, decoded, contexts = state.encode(entries, sent, amax)
+        out = state.combine(entries, [torch.cat(payloads)], contexts)[0]
+        state.commit(entries, sent, decoded)
+        return out
     return run
 
 
-def wire_bytes(fmt, numel, world):
-    """(bytes one rank contributes, bytes every rank receives) per step for one tensor."""
+def wire_bytes(fmt, numel, world, exchange="all_gather"):
+    """(bytes one rank passes into the collectives, bytes every rank receives) per step
+    for one tensor, on ``exchange`` (fp32 and bf16: torch's ring all-reduce)."""
+    ring = 2 * (world - 1) / world
     if fmt in ("fp32", "bf16"):
         payload = numel * (4 if fmt == "fp32" else 2)
-        return payload, 2 * (world - 1) / world * payload
-    payload = CODECS[fmt, "current"].payload_bytes(numel)
-    scales = 2 * 4  # the amax and the non-finite flag, in the MAX all-reduce
-    return payload + scales, (world - 1) * payload + 2 * (world - 1) / world * scales
+        return payload, ring * payload
+    codec = CODECS[fmt, "current"]
+    scales = 2 * 4  # the amax and the non-finite flag, in a MAX all-reduce
+    if exchange == "all_gather":
+        payload = codec.payload_bytes(numel)
+        return payload + scales, (world - 1) * payload + ring * scales
+    shard = -(-(-(-numel // codec.unit)) // world) * codec.unit_bytes  # whole units, equal shards
+    return world * shard + shard + 2 * scales, 2 * (world - 1) * shard + 2 * ring * scales
 
 
 def main(argv=None):
@@ -154,21 +169,23 @@ def main(argv=None):
         G = torch.randn(n, k, generator=generator).to(device)
         ms_refresh, repeats, whitening, refresh_bytes = refresh[k]
         fp32_received = wire_bytes("fp32", G.numel(), args.world)[1]
-        cases = [("fp32", "plain", None), ("bf16", "plain", None)]
-        cases += [(fmt, route, whitening if route == "gift" else None)
-                  for fmt in LOW_PRECISION for route in ("plain", "gift")]
-        for fmt, route, w in cases:
+        cases = [("fp32", "plain", None, "all_reduce"), ("bf16", "plain", None, "all_reduce")]
+        cases += [(fmt, route, whitening if route == "gift" else None, exchange)
+                  for fmt in LOW_PRECISION for route in ("plain", "gift") for exchange in EXCHANGES]
+        for fmt, route, w, exchange in cases:
             if fmt == "fp32":
                 compute = 0.0
             elif fmt == "bf16":
                 compute = median_ms(lambda: G.to(torch.bfloat16).to(torch.float32), device, timing_repeats)
-            else:
+            elif exchange == "all_gather":
                 compute = median_ms(hook_compute(fmt, G, w), device, timing_repeats)
-            sent, received = wire_bytes(fmt, G.numel(), args.world)
+            else:
+                compute = None  # not timed (the module docstring)
+            sent, received = wire_bytes(fmt, G.numel(), args.world, exchange)
             amortized = refresh_bytes / args.refresh_every if route == "gift" else 0.0
             rows.append({"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "shape": f"{n}x{k}",
-                         "format": fmt, "route": route, "rank": rank if route == "gift" else "",
-                         "compute_ms": round(compute, 4),
+                         "format": fmt, "route": route, "exchange": exchange, "rank": rank if route == "gift" else "",
+                         "compute_ms": "" if compute is None else round(compute, 4),
                          "refresh_ms": round(ms_refresh, 2) if route == "gift" else "",
                          "refresh_repeats": repeats if route == "gift" else "",
                          "sent_bytes": sent, "world": args.world, "received_bytes": round(received),
@@ -176,7 +193,7 @@ def main(argv=None):
                          "received_vs_fp32": round((received + amortized) / fp32_received, 4)})
         del G
     elapsed = time.perf_counter() - started
-    columns = ["shape", "format", "route", "compute_ms", "refresh_ms", "sent_bytes", "received_bytes",
+    columns = ["shape", "format", "route", "exchange", "compute_ms", "refresh_ms", "sent_bytes", "received_bytes",
                "refresh_bytes_per_step", "received_vs_fp32"]
     print(f"GIFT hook, {gpu}, torch {torch.__version__}, triton {triton_version}, rank {rank}, "
           f"world {args.world} for the bytes, refresh every {args.refresh_every}; {elapsed:.1f} s\n")

@@ -3,7 +3,12 @@
 DDP's all-reduce averaging bit for bit on exactly representable data; E4M3 codes with the
 agreed scale sum exactly; the factors hash equal on every rank after every refresh and
 the parameters stay identical; error feedback loses nothing, across a refresh
-(proofs/gift.md, "Error feedback")."""
+(proofs/gift.md, "Error feedback"). The reduce-scatter exchange (the default): with the
+identity codec it is the rank-order fp32 sum over the world size, bit for bit; each
+format's result is within the second quantization's bound (proofs/gift.md, section 7)
+of the mean of what the ranks sent, equal on every rank; it receives 2 (n − 1)/n of the
+code bytes; its two residuals together lose nothing; a sum that overflows is refused on
+every rank."""
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch
 import forge_kernels as fk
 from forge_verify.distributed import gift_jobs
 from forge_verify.numerics.bits import assert_bitwise_equal
+from forge_verify.numerics.gift_bounds import reduce_scatter_element_bound
 
 pytestmark = [pytest.mark.distributed, pytest.mark.exactness]
 
@@ -60,13 +66,14 @@ def test_factors_and_parameters_identical_on_every_rank(world, fmt, rank_pool):
 @pytest.mark.stats
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
-def test_the_gain_survives_the_hook(world, fmt, rank_pool):
+@pytest.mark.parametrize("exchange", ["all_gather", "reduce_scatter"])
+def test_the_gain_survives_the_hook(world, fmt, exchange, rank_pool):
     """Through the hook (shared scales, all-gather, fp32 sums, factors from the
     all-reduced window), on gradients in the top-32 activation subspace of K = 1024: the
     averaged result errs ≤ 1/3 of the plain route's (proofs/gift.md predicts ≈ 0.18)."""
     pool = rank_pool(world)
-    plain = pool.run(gift_jobs.hook_gain, 21, fmt, "plain")
-    gift = pool.run(gift_jobs.hook_gain, 21, fmt, "gift")
+    plain = pool.run(gift_jobs.hook_gain, 21, fmt, "plain", exchange)
+    gift = pool.run(gift_jobs.hook_gain, 21, fmt, "gift", exchange)
     assert len(set(plain)) == 1 and len(set(gift)) == 1  # every rank holds the same result
     assert gift[0] <= plain[0] / 3, (plain[0], gift[0])
 
@@ -87,3 +94,89 @@ def test_state_refuses_what_it_cannot_do():
             fk.gift.GiftState(**arguments)
     with pytest.raises(TypeError):
         fk.gift.GiftState(None, "e4m3", layers=[torch.nn.Conv1d(4, 4, 1)])
+
+
+SHAPES = [("plain", (5, 48)), ("plain", (37,)), ("gift", (3, 64))]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("route", ["plain", "gift"])
+def test_identity_reduce_scatter_is_the_rank_order_sum_over_the_world(world, route, rank_pool):
+    """fp32 through the all-to-all, the shard sums and the all-gather of the sums: bit for
+    bit fl(fl(… fl(x_0 + x_1) … + x_{n−1}) / n) per element, the left-to-right sum in
+    rank order (Gaussian data, so the order matters), on every rank, and again on a
+    fresh state. (On integer data it is DDP's all-reduce averaging too:
+    ``test_identity_hook_equals_all_reduce_averaging`` runs the default exchange.)"""
+    shapes = [(5, 48), (37,), (3, 64)] if route == "plain" else [(3, 64), (7, 16)]
+    results = rank_pool(world).run(gift_jobs.identity_reduce_scatter_versus_rank_order_sum, 13, route, shapes)
+    for rank, (outs, references, again) in enumerate(results):
+        for i, (out, reference, repeated) in enumerate(zip(outs, references, again)):
+            assert_bitwise_equal(out, reference, f"rank {rank}, tensor {i}")
+            assert_bitwise_equal(out, repeated, f"rank {rank}, tensor {i}, repeated")
+            assert_bitwise_equal(out, results[0][0][i], f"rank {rank} against rank 0, tensor {i}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+@pytest.mark.parametrize("route, shape", SHAPES)
+def test_reduce_scatter_stays_within_the_second_quantizations_bound(world, fmt, route, shape, rank_pool):
+    """The ranks' amaxes differ by 2**3 per rank, so shard sums span a wide range: every
+    rank's result is bit for bit rank 0's, and per element |n · out − Σ_r ŷ_r| ≤ the bound of
+    ``reduce_scatter_element_bound`` (ŷ_r: what rank r decoded locally). The bound is
+    not vacuous: on every tensor of 16 elements or more the error reaches 5 % of it somewhere."""
+    results = rank_pool(world).run(gift_jobs.exchange_versus_local_decodes, 9, fmt, route, shape, "reduce_scatter")
+    for rank, (outs, everyone) in enumerate(results):
+        for i, (out, sent) in enumerate(zip(outs, everyone)):
+            assert_bitwise_equal(out, results[0][0][i], f"rank {rank} against rank 0, tensor {i}")
+            stacked = torch.stack(sent).double()
+            error = (world * out.double() - stacked.sum(dim=0)).abs()
+            bound = reduce_scatter_element_bound(fmt, stacked.sum(dim=0), stacked.abs().sum(dim=0), world)
+            assert bool((error <= bound).all()), (rank, i, float((error - bound).max()))
+            if out.numel() >= 16:  # not vacuous (a lone element is its own amax and lands on the max code)
+                assert float((error / bound.clamp(min=1e-30)).max()) > 0.05, (rank, i)
+
+
+def _message_bytes(fmt, numels, world):
+    """What a rank sends each rank: every tensor's units padded to a multiple of the world, one shard each."""
+    unit, unit_bytes = {"e4m3": (1, 1), "nvfp4": (16, 9), "fp32": (1, 4)}[fmt]
+    return sum(-(-(-(-n // unit)) // world) for n in numels) * unit_bytes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "fp32"])
+def test_reduce_scatter_receives_two_world_minus_one_over_world_of_the_codes(world, fmt, rank_pool):
+    """Tensors of 37, 100 and 5 elements (NVFP4: 3, 7 and 1 blocks, each padded to a
+    multiple of the world): the counters against the formulas, 2 (n − 1)/n of the padded
+    payload P' received against the all-gather's (n − 1) P, P' − P under world − 1 units
+    per tensor."""
+    numels = (37, 100, 5)
+    pool = rank_pool(world)
+    shard = _message_bytes(fmt, numels, world)
+    payload = sum({"e4m3": n, "nvfp4": -(-n // 16) * 9, "fp32": 4 * n}[fmt] for n in numels)
+    scales = {} if fmt == "fp32" else {"scales": (len(numels) + 1) * 4}
+    for wire, received in pool.run(gift_jobs.exchange_bytes, fmt, "reduce_scatter", numels):
+        assert received == {"gradients": 2 * (world - 1) * shard}, received
+        assert wire == {"gradients": world * shard + shard, **{k: 2 * v for k, v in scales.items()}}, wire
+        unit_bytes = {"e4m3": 1, "nvfp4": 9, "fp32": 4}[fmt]
+        assert 0 <= world * shard - payload <= len(numels) * (world - 1) * unit_bytes
+    for wire, received in pool.run(gift_jobs.exchange_bytes, fmt, "all_gather", numels):
+        assert received == {"gradients": (world - 1) * payload}, received
+        assert wire == {"gradients": payload, **scales}, wire
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_error_feedback_loses_nothing_across_a_refresh(world, rank_pool):
+    """Σ_t n · out_t + Σ_r (first + shard residual of r) = Σ_t Σ_r G_r exactly (dyadic data,
+    power-of-two scales and transforms), with a refresh at step 3 that folds the shard
+    residuals into the first ones; some shard residual was nonzero before it and at the end."""
+    for rank, (accounted, given, held) in enumerate(rank_pool(world).run(gift_jobs.reduce_scatter_ledger, 5, 6,
+                                                                          {0: 3, 3: 5})):
+        assert held == [False, True, True], held  # none at step 0, some before the refresh and at the end
+        assert_bitwise_equal(accounted, given, f"rank {rank}")
+
+
+def test_an_overflowing_shard_sum_is_refused_on_every_rank(rank_pool):
+    for rank, (message, residuals, shards) in enumerate(rank_pool(2).run(gift_jobs.overflowing_shard_sum, 4)):
+        assert message is not None and "overflowed fp32 on at least one rank" in message, (rank, message)
+        assert residuals == [] and shards == [], rank

@@ -57,3 +57,25 @@ def test_range_hits_count_what_leaves_the_normal_range_under_current_scaling():
     assert fk.gift.range_hits(x, "e4m3") == 3  # 2**-20, -2**-16, 2**-30 (not 0, not 2**-14)
     assert fk.gift.range_hits(x, "e5m2") == 1  # 2**-30 only
     assert fk.gift.range_hits(torch.zeros(5), "e4m3") == 0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "fp32"])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_shards_are_whole_units_and_cover_every_tensor_once(fmt, world):
+    """The reduce-scatter exchange's cut (``shards.py``): per tensor, world equal shards of
+    whole codec units (NVFP4: blocks of 16, so no block is split), together covering the
+    tensor's elements once, padded by fewer than world units; messages hold every tensor."""
+    from forge_kernels.communication.codecs import CODECS
+    from forge_kernels.communication.shards import ShardLayout
+
+    codec = CODECS[fmt, "current"]
+    numels = (1, 16, 17, 37, 100, 5, 4096)
+    layout = ShardLayout.of(codec, numels, world)
+    assert layout.message_units == sum(layout.shard_units)
+    assert list(layout.offsets) == [sum(layout.shard_units[:t]) for t in range(len(numels))]
+    for t, numel in enumerate(numels):
+        spans = [layout.elements(t, j) for j in range(world)]
+        assert all(start % codec.unit == 0 and stop % codec.unit == 0 for start, stop in spans)
+        assert [start for start, _ in spans] == [0] + [stop for _, stop in spans[:-1]]  # contiguous
+        units = -(-numel // codec.unit)
+        assert units <= layout.shard_units[t] * world < units + world

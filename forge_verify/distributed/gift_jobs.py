@@ -61,7 +61,7 @@ def e4m3_exchange_versus_all_reduce(seed: int, route: str):
         codes[0, 0] = 0x7E  # 448: the agreed amax, so the scale is 1
     codes[codes == 0xFE] = 0x7E  # and no -448 elsewhere to confuse the reading
     x = fk.gift.e4m3.values(codes)
-    state = fk.gift.GiftState(None, "e4m3", layers=(), error_feedback=False)
+    state = fk.gift.GiftState(None, "e4m3", layers=(), error_feedback=False, exchange="all_gather")
     whitening = fk.gift.Whitening.identity(32) if route == "gift" else None
     out = state.exchange([("g", x, whitening)])[0]
     expected = x.clone()
@@ -69,13 +69,13 @@ def e4m3_exchange_versus_all_reduce(seed: int, route: str):
     return out, expected / world
 
 
-def exchange_versus_local_decodes(seed: int, fmt: str, route: str, shape: tuple):
+def exchange_versus_local_decodes(seed: int, fmt: str, route: str, shape: tuple, exchange: str = "all_gather"):
     """The hook's exchange of rank-specific data (amaxes differing across ranks): its
     result and, from every rank, what that rank decoded locally (``last_sent``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     x = torch.randn(shape, generator=g) * 2.0 ** (3 * rank) * torch.logspace(-3, 0, shape[-1], base=2.0)
-    state = fk.gift.GiftState(None, fmt, layers=(), error_feedback=False)
+    state = fk.gift.GiftState(None, fmt, layers=(), error_feedback=False, exchange=exchange)
     whitening = fk.gift.Whitening.identity(shape[-1]) if route == "gift" else None
     out = state.exchange([("g", x, whitening), ("h", x[..., :1].clone(), None)])
     sent = [state.last_sent["g"], state.last_sent["h"]]
@@ -85,7 +85,7 @@ def exchange_versus_local_decodes(seed: int, fmt: str, route: str, shape: tuple)
     return out, everyone
 
 
-def hook_gain(seed: int, fmt: str, route: str, features: int = 1024, subspace: int = 32):
+def hook_gain(seed: int, fmt: str, route: str, exchange: str, features: int = 1024, subspace: int = 32):
     """RelL2 of the hook's averaged result for one layer gradient against the exact
     (float64) mean over ranks. Every rank's activations lie in one shared rank-32
     subspace (scales 1 to 0.1); the transform comes from a 4096-token window recorded by
@@ -100,7 +100,7 @@ def hook_gain(seed: int, fmt: str, route: str, features: int = 1024, subspace: i
 
     layer = nn.Linear(features, 256, bias=False)
     state = fk.gift.GiftState(None, fmt, subspace, 50, layers=[layer] if route == "gift" else [],
-                              error_feedback=False)
+                              error_feedback=False, exchange=exchange)
     if route == "gift":
         layer(activations(4096))  # recorded by the state's forward pre-hook
         state.refresh(0)
@@ -148,7 +148,8 @@ def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
     Σ input) in real coordinates as float64, and the σ of each transform used."""
     rank = dist.get_rank()
     layer = nn.Linear(16, 8, bias=False)
-    state = fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two")
+    state = fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
+                              exchange="all_gather")  # the per-rank ledger: no shard residual folds in
     key = id(layer.weight)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     sent = torch.zeros(8, 16, dtype=torch.float64)
@@ -168,7 +169,8 @@ def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
 
 
 def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedback: bool = True,
-                    batch: int = 8, lr: float = 3e-3, refresh_every: int = 50, rank: int = 32):
+                    batch: int = 8, lr: float = 3e-3, refresh_every: int = 50, rank: int = 32,
+                    exchange: str = "reduce_scatter"):
     """DDP training of the tiny GPT (``forge_verify.models.tiny_gpt``) on the shipped tales,
     each rank its own batches, AdamW. ``fmt`` "fp32-allreduce" is DDP's own averaging;
     otherwise every gradient crosses as ``fmt`` through ``gift_hook``, the MLP output
@@ -187,7 +189,8 @@ def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedb
     ddp = DistributedDataParallel(model)
     if fmt != "fp32-allreduce":
         layers = [block.out for block in model.blocks] if selection == "fc2" else []
-        state = fk.gift.GiftState(None, fmt, rank, refresh_every, layers=layers, error_feedback=error_feedback)
+        state = fk.gift.GiftState(None, fmt, rank, refresh_every, layers=layers, error_feedback=error_feedback,
+                                  exchange=exchange)
         ddp.register_comm_hook(state, fk.gift.gift_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
@@ -203,3 +206,92 @@ def tiny_gpt_losses(seed: int, fmt: str, selection: str, steps: int, error_feedb
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def _everyone(t: torch.Tensor):
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    return gathered
+
+
+def identity_reduce_scatter_versus_rank_order_sum(seed: int, route: str, shapes):
+    """The identity codec ("fp32") through the reduce-scatter exchange on Gaussian data
+    (sums round), against every rank's inputs all-gathered and summed in fp32 left to
+    right in rank order, divided by the world size (T = I on the GIFT route): (outs,
+    references), and the exchange repeated on a fresh state (its outs)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    xs = [torch.randn(shape, generator=g) * 2.0 ** rank for shape in shapes]
+    runs = []
+    for _ in range(2):
+        state = fk.gift.GiftState(None, "fp32", layers=(), exchange="reduce_scatter")
+        entries = [(i, x, fk.gift.Whitening.identity(x.shape[-1]) if route == "gift" else None)
+                   for i, x in enumerate(xs)]
+        runs.append(state.exchange(entries))
+    references = []
+    for x in xs:
+        everyone = _everyone(x)
+        total = everyone[0].clone()
+        for other in everyone[1:]:
+            total += other
+        references.append(total / world)
+    return runs[0], references, runs[1]
+
+
+def exchange_bytes(fmt: str, exchange: str, numels):
+    """One exchange of tensors of ``numels`` elements: (wire_bytes, received_bytes)."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    state = fk.gift.GiftState(None, fmt, layers=(), exchange=exchange)
+    state.exchange([(i, torch.randn(n, generator=g), None) for i, n in enumerate(numels)])
+    return dict(state.wire_bytes), dict(state.received_bytes)
+
+
+def reduce_scatter_ledger(seed: int, steps: int, refreshes: dict):
+    """``error_feedback_ledger`` on the reduce-scatter exchange, where the second
+    quantization's residual sits with the shard's owner: over all ranks, in real
+    coordinates as float64, (Σ_t world · out_t + Σ_r (first residual_r + shard
+    residual_r), Σ_t Σ_r G_r), and whether some rank held a nonzero shard residual at
+    the end and before the refresh."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = nn.Linear(16, 8, bias=False)
+    state = fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
+                              exchange="reduce_scatter")
+    key = id(layer.weight)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    out_total = torch.zeros(8, 16, dtype=torch.float64)
+    given = torch.zeros(8, 16, dtype=torch.float64)
+    held = []
+    for t in range(steps):
+        if t in refreshes:
+            held.append(bool(key in state.shard_residuals and state.shard_residuals[key][2].abs().max() > 0))
+            layer(2.0 ** refreshes[t] * torch.eye(16))
+            state.refresh(0)
+        G = torch.randint(-64, 65, (8, 16), generator=g).float() * 2.0 ** -6
+        out_total += world * state.exchange([(key, G, state.whitenings[0])])[0].double()
+        given += G.double()
+    residual = state.residuals[key].clone()
+    if key in state.shard_residuals:
+        start, stop, r = state.shard_residuals[key]
+        residual.view(-1)[start:stop] += r
+        held.append(bool(r.abs().max() > 0))
+    accounted = state.whitenings[0].invert(residual).double()
+    dist.all_reduce(accounted)
+    dist.all_reduce(given)
+    flags = torch.tensor(held, dtype=torch.float32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return out_total + accounted, given, flags.bool().tolist()
+
+
+def overflowing_shard_sum(seed: int):
+    """Every rank sends 3e38 in one element (finite; the shared amax is 3e38), so the
+    shard sum overflows fp32: every rank's reduce-scatter exchange raises, and no
+    residual was written. (error message, residual keys, shard residual keys)."""
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    x = torch.randn(4, 16, generator=g)
+    x[1, 5] = 3e38
+    state = fk.gift.GiftState(None, "e4m3", layers=(), exchange="reduce_scatter")
+    try:
+        state.exchange([("x", x, None)])
+    except fk.NonFiniteInputError as error:
+        return str(error), sorted(state.residuals), sorted(state.shard_residuals)
+    return None, sorted(state.residuals), sorted(state.shard_residuals)

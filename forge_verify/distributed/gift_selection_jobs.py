@@ -119,7 +119,7 @@ def hook_returns_before_the_peer_arrives(seed: int, delay_s: float, overlap: boo
     return returns
 
 
-def non_finite_on_one_rank(seed: int):
+def non_finite_on_one_rank(seed: int, exchange: str):
     """Rank 1's second tensor holds an inf: every rank's exchange raises (none waits for a
     peer that gave up), and no residual was written. (error message, residual keys)."""
     rank = dist.get_rank()
@@ -127,7 +127,7 @@ def non_finite_on_one_rank(seed: int):
     x, y = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
     if rank == 1:
         y[2, 3] = float("inf")
-    state = fk.gift.GiftState(None, "e4m3", layers=())
+    state = fk.gift.GiftState(None, "e4m3", layers=(), exchange=exchange)
     try:
         state.exchange([("x", x, None), ("y", y, None)])
     except fk.NonFiniteInputError as error:
@@ -135,7 +135,8 @@ def non_finite_on_one_rank(seed: int):
     return None, sorted(state.residuals)
 
 
-def resume_versus_uninterrupted(seed: int, fmt: str, before: int, after: int, select: bool):
+def resume_versus_uninterrupted(seed: int, fmt: str, before: int, after: int, select: bool,
+                                exchange: str = "reduce_scatter"):
     """DDP with GIFT (refresh every 3 steps, error feedback; explicit layers, or a
     selection of 1 of 2 over a 2-step window): ``before + after`` steps in one go, against
     ``before`` steps, the model's, optimizer's and hook's state saved (``state_dict``), a
@@ -149,7 +150,7 @@ def resume_versus_uninterrupted(seed: int, fmt: str, before: int, after: int, se
             model.load_state_dict(initial)
         ddp = DistributedDataParallel(model)
         layers = (fk.gift.RangeHitSelection([model[0], model[2]], 1, 2) if select else [model[0], model[2]])
-        state = fk.gift.GiftState(None, fmt, 8, 3, layers=layers)
+        state = fk.gift.GiftState(None, fmt, 8, 3, layers=layers, exchange=exchange)
         ddp.register_comm_hook(state, fk.gift.gift_hook)
         return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 

@@ -15,7 +15,7 @@ from . import token_split_controls as tc
 BUCKET_ROWS = 8
 
 
-def identity_codec_equals_all_reduce(transform: str):
+def identity_codec_equals_all_reduce(transform: str, exchange: str):
     """AdamW through ``materialized_split_step`` (3 buckets of rows) on small-integer data,
     the bucket sums through GiftSplitReducer("fp32") on the plain route or the GIFT route
     with T = I, against the default fp32 all-reduce: weight and state bit for bit."""
@@ -23,7 +23,7 @@ def identity_codec_equals_all_reduce(transform: str):
     parts, group = tc.parts_of("data", x, dy)
     rule = fk.AdamW(lr=1e-2)
     whitening = fk.gift.Whitening.identity(weight.shape[1]) if transform == "identity" else None
-    reducer = fk.gift.GiftSplitReducer("fp32", group, whitening=whitening)
+    reducer = fk.gift.GiftSplitReducer("fp32", group, whitening=whitening, exchange=exchange)
     results = []
     for reduce in (reducer, None):
         w, state = weight.clone(), rule.init_state(weight)
@@ -33,17 +33,17 @@ def identity_codec_equals_all_reduce(transform: str):
     assert_bitwise_equal(w_a, w_b, f"rank {dist.get_rank()}: weight")
     for key in s_a:
         assert_bitwise_equal(s_a[key], s_b[key], f"rank {dist.get_rank()}: state {key}")
-    return dict(reducer.wire_bytes)
+    return dict(reducer.wire_bytes), dict(reducer.received_bytes)
 
 
-def e4m3_sums_within_the_bound(route: str, rank: int = 8):
+def e4m3_sums_within_the_bound(route: str, exchange: str, rank: int = 8):
     """The bucket sums through GiftSplitReducer("e4m3", no error feedback) on Gaussian
     data, the transform from the step's inputs (``refresh``) or none: per bucket,
     (‖out − Σ_r G_r‖_F, the bound of ``e4m3_sum_bound``, ‖Σ_r G_r‖_F); and the bytes
     this rank passed into GIFT's collectives, by kind."""
     weight, ((x, dy),) = tc.problem(seed=6)
     parts, group = tc.parts_of("data", x, dy)
-    reducer = fk.gift.GiftSplitReducer("e4m3", group, rank=rank, error_feedback=False)
+    reducer = fk.gift.GiftSplitReducer("e4m3", group, rank=rank, error_feedback=False, exchange=exchange)
     if route == "gift":
         reducer.refresh(parts)
     world = dist.get_world_size()
@@ -62,14 +62,14 @@ def e4m3_sums_within_the_bound(route: str, rank: int = 8):
         dist.all_reduce(exact, group=group)
         norms = torch.cat(everyone)
         bound = e4m3_sum_bound(reducer.whitening, norms[:, 0].tolist(), norms[:, 1].tolist(),
-                               float(fk.gift.e4m3.scale_for(amax[0])), given.numel())
+                               float(fk.gift.e4m3.scale_for(amax[0])), given.numel(), exchange)
         measured.append((float((out.double() - exact).norm()), bound, float(exact.norm())))
         return out
 
     rule = fk.SGD(lr=1e-2)
     materialized_split_step(parts, weight.clone(), rule.init_state(weight), rule, 1, group=group,
                             bucket_rows=BUCKET_ROWS, reduce=recording)
-    return measured, dict(reducer.wire_bytes)
+    return measured, dict(reducer.wire_bytes), dict(reducer.received_bytes)
 
 
 def resumed_reducer_continues(steps: int = 4, saved_after: int = 2):

@@ -5,6 +5,13 @@ many bytes it takes. ``CODECS`` maps (format, scaling) to one.
 FP8: one shared scale (format max / agreed amax), payload = the codes. NVFP4: the
 flattened tensor in blocks of 16, payload = packed codes then E4M3 block scales.
 "fp32": the identity codec, the fp32 bytes themselves, for checking the path.
+
+For the reduce-scatter exchange a payload is also seen as rows of *units*, the smallest
+pieces that decode on their own: ``unit`` elements in ``unit_bytes`` bytes (FP8: one
+element, one byte; NVFP4: one block of 16, its 8 code bytes then its scale byte; fp32:
+one element, four bytes). ``units`` turns a payload into those rows, ``unit_values``
+decodes rows (before unscaling), ``context_for`` is the unscaling context of an agreed
+amax. Zero bytes decode to zero in every codec, so rows of zeros pad a bucket.
 """
 
 from dataclasses import dataclass
@@ -36,6 +43,17 @@ class _FP8Codec:
 
     def unscale(self, total, scale):
         return total / scale
+
+    unit, unit_bytes = 1, 1
+
+    def context_for(self, amax):
+        return self.fmt.scale_for(amax, self.power_of_two)
+
+    def units(self, payload, numel):
+        return payload.reshape(numel, 1)
+
+    def unit_values(self, rows):
+        return self.fmt.values(rows)
 
 
 class _NVFP4Codec:
@@ -70,6 +88,21 @@ class _NVFP4Codec:
     def unscale(self, total, s_dec):
         return total * s_dec
 
+    unit, unit_bytes = nvfp4.BLOCK, nvfp4.BLOCK // 2 + 1
+
+    def context_for(self, amax):
+        return nvfp4.tensor_scales(amax)[1]
+
+    def units(self, payload, numel):
+        blocks = -(-numel // nvfp4.BLOCK)
+        codes = payload[:blocks * nvfp4.BLOCK // 2].reshape(blocks, nvfp4.BLOCK // 2)
+        return torch.cat([codes, payload[blocks * nvfp4.BLOCK // 2:].reshape(blocks, 1)], dim=1)
+
+    def unit_values(self, rows):
+        """(blocks, 16) products ``q · s_b``."""
+        q = nvfp4.QuantizedNVFP4(rows[:, :nvfp4.BLOCK // 2], rows[:, nvfp4.BLOCK // 2:], torch.zeros(()))
+        return nvfp4.block_products(q).reshape(rows.shape[0], nvfp4.BLOCK)
+
 
 class _IdentityCodec:
     def amax(self, y):
@@ -87,6 +120,17 @@ class _IdentityCodec:
 
     def unscale(self, total, context):
         return total
+
+    unit, unit_bytes = 1, 4
+
+    def context_for(self, amax):
+        return None
+
+    def units(self, payload, numel):
+        return payload.reshape(numel, 4)
+
+    def unit_values(self, rows):
+        return rows.contiguous().view(torch.float32)
 
 
 CODECS = {("e4m3", "current"): _FP8Codec(e4m3), ("e5m2", "current"): _FP8Codec(e5m2),

@@ -17,9 +17,30 @@ coordinates sent: transformed ones on the GIFT route, re-based through T_old^{-1
 when the transform refreshes); one MAX all-reduce of every tensor's amax (and of a flag
 that some rank's tensor is not finite, so that every rank refuses together instead of
 one rank raising while the others wait) agrees the scales, so all ranks' codes share
-them; codes travel as uint8 in one all-gather (gloo cannot reduce float8); each rank sums
-the decoded values in fp32 in rank order, unscales, divides by the world size and (GIFT
-route) applies T^{-1}.
+them. Codes travel as uint8 (gloo cannot reduce float8), in one of two exchanges
+(``exchange=``):
+
+* ``"all_gather"``: one all-gather of every rank's codes; each rank sums the decoded
+  values in fp32 in rank order and unscales. Every rank receives (world − 1) payloads.
+* ``"reduce_scatter"`` (the default): every tensor's codes are cut into world shards on
+  codec-unit boundaries (``shards.py``; NVFP4 blocks are never split) and one
+  all-to-all sends every tensor's shard j to rank j; rank j decodes and sums its shard in fp32 in rank
+  order, unscales, and re-quantizes that shard sum under a second scale, agreed by a
+  second MAX all-reduce (of the shard sums' amax per tensor, with a flag for a sum that
+  overflowed); one all-gather of the re-quantized shards gives every rank the same
+  codes, which it decodes. Every rank receives 2 (world − 1) / world payloads, at the
+  cost of the second quantization's error (proofs/gift.md, section 7).
+
+Either way the result is then divided by the world size and (GIFT route) T^{-1} applied.
+Error feedback on the reduce-scatter exchange keeps two residuals: each rank's own first
+quantization residual, as on the all-gather exchange, and the second quantization's
+error of a shard, which is common to all ranks (they all decode the same codes) and
+known only to the shard's owner; the owner alone keeps it (``shard_residuals``, in the
+sent coordinates, in units of the sum) and adds it to that shard's sum before the next
+re-quantization, so it is fed back once, not once per rank. When the tensor's transform
+refreshes (or a state is loaded at another world size, so its shard moves) the owner
+folds the shard residual into its own first residual, which carries it into the sum all
+the same.
 
 Asynchrony (``overlap=True``, the default): the hook returns at once; the bucket's whole
 reduction (refreshes, collectives, codec) runs on the state's one communication thread,
@@ -35,7 +56,7 @@ tested). ``overlap=False`` reduces inside the hook (the bits are the same: the s
 runs on the same data).
 
 The wire format ``"fp32"`` is the identity codec: the fp32 bytes travel the same
-all-gather path, for checking the path itself.
+path as codes would (either exchange), for checking the path itself.
 """
 
 import concurrent.futures
@@ -47,9 +68,11 @@ import torch.distributed as dist
 from ..errors import NonFiniteInputError
 from .codecs import CODECS
 from .selection import RangeHitSelection
+from .shards import ShardLayout
 from .whitening import CovarianceTracker, Whitening, agreed_whitening
 
 WIRE_FORMATS = ("e4m3", "e5m2", "nvfp4", "fp32")
+EXCHANGES = ("reduce_scatter", "all_gather")
 
 
 class GiftState:
@@ -64,25 +87,38 @@ class GiftState:
     ``transform`` "whitening" or "identity" (the GIFT route's machinery with T = I, for
     checking it); ``scaling`` "current" (format max / amax) or, for the FP8 formats,
     "power_of_two" (rounded down to a power of two: decoding is then exact, at up to one
-    bit of range); ``overlap`` (the module docstring).
+    bit of range); ``exchange`` "reduce_scatter" or "all_gather" and ``overlap`` (the
+    module docstring). The default exchange is the reduce-scatter: it never receives more
+    code bytes than the all-gather (as many at 2 ranks, up to padding; fewer from 3 on,
+    (n − 1) against 2 (n − 1)/n payloads), and only it saves bytes at scale; the
+    all-gather quantizes once, so it is the exact one (shared-scale E4M3 sums, proofs
+    section 2) and costs one MAX all-reduce less.
 
     ``last_sent`` holds, per gradient, what this rank put on the wire at its last
-    exchange, decoded, in the coordinates sent (for measuring the wire's error).
+    exchange, decoded, in the coordinates sent (for measuring the wire's error; on the
+    reduce-scatter exchange the first quantization's).
     ``state_dict(parameters)``/``load_state_dict(state, parameters)`` resume it bit for
     bit. ``wire_bytes`` counts the bytes this rank passed into collectives, by kind
     ("gradients": codes or fp32 values, "scales": the amax vectors, "refresh": A, the
-    flags and the factors); what crosses the links depends on the collective's algorithm
-    (an all-gather delivers (world − 1) payloads to every rank)."""
+    flags and the factors). ``received_bytes`` counts, by kind, what the code exchanges
+    deliver to this rank from the others, which does not depend on the collective's
+    algorithm: (world − 1) payloads per all-gather, (world − 1)/world of the input per
+    all-to-all. All-reduces (scales, ``unselected="fp32"``, refresh) are counted in
+    ``wire_bytes`` only: what they deliver depends on the algorithm (a ring: 2 (world −
+    1)/world of the input)."""
 
     def __init__(self, process_group, fmt: str, rank: int = 32, refresh_every: int = 50, layers=(), *,
                  damping: float = 1e-3, unselected: str = "plain", error_feedback: bool = True,
-                 transform: str = "whitening", scaling: str = "current", overlap: bool = True):
+                 transform: str = "whitening", scaling: str = "current", exchange: str = "reduce_scatter",
+                 overlap: bool = True):
         if fmt not in WIRE_FORMATS:
             raise ValueError(f"unknown wire format {fmt!r}; one of {WIRE_FORMATS}")
         if unselected not in ("plain", "fp32"):
             raise ValueError(f"unselected must be 'plain' or 'fp32', got {unselected!r}")
         if transform not in ("whitening", "identity"):
             raise ValueError(f"transform must be 'whitening' or 'identity', got {transform!r}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if (fmt, scaling) not in CODECS:
             raise ValueError(f"scaling {scaling!r} is not available for {fmt!r}")
         if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
@@ -90,7 +126,7 @@ class GiftState:
         self.process_group = process_group
         self.fmt, self.rank, self.refresh_every, self.damping = fmt, rank, refresh_every, damping
         self.unselected, self.error_feedback, self.transform = unselected, error_feedback, transform
-        self.scaling, self.overlap = scaling, overlap
+        self.scaling, self.exchange_kind, self.overlap = scaling, exchange, overlap
         self.selection = layers if isinstance(layers, RangeHitSelection) else None
         self.layers = []
         self._layer_of_weight = {}
@@ -98,12 +134,16 @@ class GiftState:
         self.tracker = CovarianceTracker() if transform == "whitening" else None
         self.whitenings = {}
         self.residuals = {}
+        #: key -> (start, stop, the second quantization's residual of elements [start, stop)
+        #: of that tensor, flattened), for the shards this rank owns (reduce-scatter exchange)
+        self.shard_residuals = {}
         self.last_sent = {}
         self.step = 0
         self._refreshed_at = {}
         #: (step, layer index, digest of the factors) after every refresh
         self.digests = []
         self.wire_bytes = Counter()
+        self.received_bytes = Counter()
         self._worker = None
         if self.selection is None:
             self._add_layers(list(layers))
@@ -142,6 +182,8 @@ class GiftState:
                 return  # nothing recorded anywhere: keep the transform
             self.tracker.reset(layer)
         key = id(layer.weight)
+        if key in self.shard_residuals:  # a part of the sum's residual cannot be re-based: whole rows can
+            self._fold(key, self.shard_residuals.pop(key))
         if key in self.residuals:
             old = self.whitenings[index]
             self.residuals[key] = new.apply(old.invert(self.residuals[key]))
@@ -156,7 +198,8 @@ class GiftState:
     def exchange(self, entries, *, average: bool = True):
         """The low-precision path for ``entries`` = [(key, tensor, Whitening or None)]:
         the tensors averaged over the ranks (``average=False``: summed), transformed
-        back. Residuals are kept under ``key``."""
+        back. Residuals are kept under ``key``; they change only once the exchange has
+        succeeded (a refusal leaves them as they were)."""
         if not entries:
             return []  # every rank holds the same buckets, so every rank skips alike
         sent, amax = self.prepare(entries)
@@ -164,11 +207,18 @@ class GiftState:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.process_group)
             self.wire_bytes["scales"] += amax.numel() * 4
             self.refuse_non_finite(entries, amax)
-        mine, contexts = self.encode(entries, sent, amax)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.process_group)
-        self.wire_bytes["gradients"] += mine.numel()
-        return self.combine(entries, gathered, contexts, average)
+        payloads, decoded, contexts = self.encode(entries, sent, amax)
+        if self.exchange_kind == "all_gather":
+            mine = torch.cat(payloads)
+            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine, group=self.process_group)
+            self.wire_bytes["gradients"] += mine.numel()
+            self.received_bytes["gradients"] += (self.world_size - 1) * mine.numel()
+            out, shard_updates = self.combine(entries, gathered, contexts, average), None
+        else:
+            out, shard_updates = self.reduce_scatter(entries, payloads, contexts, average)
+        self.commit(entries, sent, decoded, shard_updates)
+        return out
 
     def prepare(self, entries):
         """(the tensors to send, in their coordinates with the residual added; the amax
@@ -191,18 +241,114 @@ class GiftState:
                                       "on at least one rank; nothing was sent and no residual changed")
 
     def encode(self, entries, sent, amax):
-        """(this rank's payloads, concatenated; the unscaling contexts); residuals and
-        ``last_sent`` updated."""
+        """(this rank's payloads, one per tensor; what each decodes to; the unscaling contexts)."""
         codec = CODECS[self.fmt, self.scaling]
-        payloads, contexts = [], []
-        for (key, _, _), y, m in zip(entries, sent, amax):
+        payloads, decoded, contexts = [], [], []
+        for y, m in zip(sent, amax):
             payload, local, context = codec.encode(y, m)
+            payloads.append(payload)
+            decoded.append(local)
+            contexts.append(context)
+        return payloads, decoded, contexts
+
+    def commit(self, entries, sent, decoded, shard_updates=None) -> None:
+        """After a successful exchange: the first residuals (sent − decoded), ``last_sent``,
+        and (reduce-scatter) the owned shards' second residuals ``shard_updates`` = {key:
+        (start, stop, residual)}; a held shard residual that was not used because this
+        rank's shard of the tensor moved is folded into the first residual."""
+        for (key, _, _), y, local in zip(entries, sent, decoded):
             if self.error_feedback:
                 self.residuals[key] = y - local
             self.last_sent[key] = local
-            payloads.append(payload)
-            contexts.append(context)
-        return torch.cat(payloads), contexts
+        if shard_updates is None or not self.error_feedback:
+            return
+        for key, _, _ in entries:
+            held = self.shard_residuals.pop(key, None)
+            update = shard_updates.get(key)
+            if held is not None and (update is None or update[:2] != held[:2]):
+                self._fold(key, held)
+            if update is not None:
+                self.shard_residuals[key] = update
+
+    def _fold(self, key, held) -> None:
+        """A shard residual added to this rank's first residual of the same tensor: both are
+        in the sent coordinates, and whatever one rank's residual holds enters the sum once."""
+        start, stop, residual = held
+        flat = self.residuals[key].reshape(-1)
+        count = min(stop, flat.numel()) - start  # NVFP4's padding elements are not the tensor's
+        if count > 0:
+            flat[start:start + count] += residual[:count]
+
+    def fold_shard_residuals(self) -> None:
+        """Every held shard residual folded into the first residuals (before re-basing them)."""
+        for key in list(self.shard_residuals):
+            self._fold(key, self.shard_residuals.pop(key))
+
+    def reduce_scatter(self, entries, payloads, contexts, average: bool = True):
+        """The reduce-scatter exchange of this rank's ``payloads`` (module docstring):
+        (the results, as ``combine``'s; the owned shards' second residuals)."""
+        codec = CODECS[self.fmt, self.scaling]
+        group, world = self.process_group, self.world_size
+        me = dist.get_rank(group)  # this rank's shard of every tensor
+        layout = ShardLayout.of(codec, [x.numel() for _, x, _ in entries], world)
+        messages = payloads[0].new_zeros(world, layout.message_units, codec.unit_bytes)
+        for t, ((_, x, _), payload) in enumerate(zip(entries, payloads)):
+            units, offset = layout.shard_units[t], layout.offsets[t]
+            rows = codec.units(payload, x.numel())
+            padded = rows.new_zeros(world * units, codec.unit_bytes)
+            padded[:rows.shape[0]] = rows
+            messages[:, offset:offset + units] = padded.view(world, units, codec.unit_bytes)
+        received = torch.empty_like(messages)
+        dist.all_to_all_single(received.view(-1), messages.view(-1), group=group)
+        self.wire_bytes["gradients"] += messages.numel()
+        self.received_bytes["gradients"] += (world - 1) * messages[0].numel()
+        total = codec.unit_values(received[0]).clone()
+        for r in range(1, world):  # rank order, as the all-gather exchange sums
+            total += codec.unit_values(received[r])
+        sums = []
+        for t, (key, _, _) in enumerate(entries):
+            offset, units = layout.offsets[t], layout.shard_units[t]
+            z = codec.unscale(total[offset:offset + units].reshape(-1), contexts[t])
+            held = self.shard_residuals.get(key) if self.error_feedback else None
+            if held is not None and held[:2] == layout.elements(t, me):
+                z = z + held[2]
+            sums.append(z)
+        second = total.new_zeros(len(entries) + 1)
+        if self.fmt != "fp32":
+            finite = [bool(torch.isfinite(z).all()) for z in sums]
+            for t, (z, ok) in enumerate(zip(sums, finite)):
+                if ok and z.numel():
+                    second[t] = codec.amax(z)
+            second[-1] = 0 if all(finite) else 1
+            dist.all_reduce(second, op=dist.ReduceOp.MAX, group=group)
+            self.wire_bytes["scales"] += second.numel() * 4
+            if float(second[-1]) != 0:
+                raise NonFiniteInputError(f"gift_hook: a shard sum of this bucket ({len(entries)} tensors) overflowed "
+                                          "fp32 on at least one rank; no result was returned and no residual changed")
+        requantized = messages.new_zeros(layout.message_units, codec.unit_bytes)
+        shard_updates = {}
+        for t, ((key, _, _), z) in enumerate(zip(entries, sums)):
+            if not z.numel():
+                continue
+            offset, units = layout.offsets[t], layout.shard_units[t]
+            payload, local, _ = codec.encode(z, second[t])
+            requantized[offset:offset + units] = codec.units(payload, z.numel())
+            shard_updates[key] = (*layout.elements(t, me), z - local)
+        gathered = [torch.empty_like(requantized) for _ in range(world)]
+        dist.all_gather(gathered, requantized, group=group)
+        self.wire_bytes["gradients"] += requantized.numel()
+        self.received_bytes["gradients"] += (world - 1) * requantized.numel()
+        everyone = torch.stack(gathered)  # (world, message units, unit bytes)
+        out = []
+        for t, (_, x, whitening) in enumerate(entries):
+            offset, units = layout.offsets[t], layout.shard_units[t]
+            rows = everyone[:, offset:offset + units].reshape(world * units, codec.unit_bytes)
+            values = codec.unit_values(rows).reshape(-1)[:x.numel()]
+            result = codec.unscale(values, codec.context_for(second[t])).reshape(x.shape)
+            if average:
+                result = result / world
+            out.append(whitening.invert(result) if whitening is not None else result)
+        return out, shard_updates
 
     def combine(self, entries, gathered, contexts, average: bool = True):
         """Every rank's payloads (``gathered``, in rank order) decoded, summed in fp32,
@@ -268,7 +414,7 @@ class GiftState:
         if self._worker is not None:
             self._worker.submit(lambda: None).result()  # the reductions in flight first
         index = {id(p): i for i, p in enumerate(parameters)}
-        unknown = [key for key in self.residuals if key not in index]
+        unknown = [key for key in [*self.residuals, *self.shard_residuals] if key not in index]
         if unknown or any(id(layer.weight) not in index for layer in self.layers):
             raise ValueError("a residual or layer of this state belongs to no parameter given")
         windows = {}
@@ -280,7 +426,10 @@ class GiftState:
                 "joined": dict(self._joined), "refreshed_at": dict(self._refreshed_at),
                 "whitenings": {i: [t.clone() for t in w.tensors()] for i, w in self.whitenings.items()},
                 "residuals": {index[key]: r.clone() for key, r in self.residuals.items()},
+                "shard_residuals": {index[key]: (start, stop, r.clone())
+                                    for key, (start, stop, r) in self.shard_residuals.items()},
                 "windows": windows, "digests": list(self.digests), "wire_bytes": dict(self.wire_bytes),
+                "received_bytes": dict(self.received_bytes),
                 "selection": self.selection.state_dict() if self.selection is not None else None}
 
     def load_state_dict(self, state: dict, parameters) -> None:
@@ -299,12 +448,16 @@ class GiftState:
         self._joined, self._refreshed_at = dict(state["joined"]), dict(state["refreshed_at"])
         self.whitenings = {i: Whitening(*[t.clone() for t in tensors]) for i, tensors in state["whitenings"].items()}
         self.residuals = {id(parameters[i]): r.clone() for i, r in state["residuals"].items()}
+        # states saved before the reduce-scatter exchange existed hold no shard residuals
+        self.shard_residuals = {id(parameters[i]): (start, stop, r.clone())
+                                for i, (start, stop, r) in state.get("shard_residuals", {}).items()}
         if self.tracker is not None:
             self.tracker.reset()
             for i, (total, rows) in state["windows"].items():
                 self.tracker.set_window(self.layers[i], total, rows)
         self.digests = list(state["digests"])
         self.wire_bytes = Counter(state["wire_bytes"])
+        self.received_bytes = Counter(state.get("received_bytes", {}))
 
     def submit(self, buffer: torch.Tensor, params, is_last: bool) -> torch.futures.Future:
         """``reduce_bucket`` on the communication thread; its future."""

@@ -6,7 +6,8 @@ parallelism FORGE takes the step with ``materialized_split_step``: the fp32 grad
 one bucket of weight rows at a time, summed over the ranks, then the rule. The sum is the
 seam: ``materialized_split_step(..., reduce=GiftSplitReducer(...))`` sums each bucket
 through GIFT's exchange (the same agreed scale, all-gather of codes, fp32 sum in rank
-order and inverse transform as the hook) instead of an fp32 all-reduce.
+order and inverse transform as the hook, on either of the hook's exchanges) instead of an
+fp32 all-reduce.
 
 The transform acts on the gradient's columns (the layer's input features), so a bucket of
 rows is whitened by the layer's transform as it is. ``refresh(parts)`` computes the
@@ -28,13 +29,13 @@ class GiftSplitReducer:
     """``reduce=`` for ``materialized_split_step``: one per weight (its residuals are kept
     per bucket of rows). ``group`` must be the group the step is given; ``whitening``: a
     ``Whitening`` of the weight's in-features, or None for the plain route (the format
-    without a transform)."""
+    without a transform); ``exchange`` as ``GiftState``'s."""
 
     def __init__(self, fmt: str, group, *, whitening=None, rank: int = 32, damping: float = 1e-3,
-                 error_feedback: bool = True, scaling: str = "current"):
+                 error_feedback: bool = True, scaling: str = "current", exchange: str = "reduce_scatter"):
         self.group = group
         self.state = GiftState(group, fmt, rank, layers=(), damping=damping, error_feedback=error_feedback,
-                               scaling=scaling, overlap=False)
+                               scaling=scaling, exchange=exchange, overlap=False)
         self.whitening = whitening
 
     def __call__(self, grad: torch.Tensor, group, rows: slice) -> torch.Tensor:
@@ -55,6 +56,7 @@ class GiftSplitReducer:
         self.state.wire_bytes["refresh"] += sent
         if new is None:
             return
+        self.state.fold_shard_residuals()  # whole buckets of rows can be re-based, a shard of one cannot
         for key, residual in self.state.residuals.items():
             self.state.residuals[key] = new.apply(self.whitening.invert(residual) if self.whitening else residual)
         self.whitening = new
@@ -63,13 +65,22 @@ class GiftSplitReducer:
     def wire_bytes(self):
         return self.state.wire_bytes
 
+    @property
+    def received_bytes(self):
+        return self.state.received_bytes
+
     def state_dict(self) -> dict:
-        """The transform's factors and the residuals per bucket of rows (``(start, stop)``)."""
+        """The transform's factors and the residuals per bucket of rows (``(start, stop)``),
+        with the second residuals of the shards this rank owns (reduce-scatter exchange)."""
         return {"whitening": None if self.whitening is None else [t.clone() for t in self.whitening.tensors()],
                 "residuals": {key: r.clone() for key, r in self.state.residuals.items()},
-                "wire_bytes": dict(self.state.wire_bytes)}
+                "shard_residuals": {key: (a, b, r.clone()) for key, (a, b, r) in self.state.shard_residuals.items()},
+                "wire_bytes": dict(self.state.wire_bytes), "received_bytes": dict(self.state.received_bytes)}
 
     def load_state_dict(self, state: dict) -> None:
         self.whitening = None if state["whitening"] is None else Whitening(*[t.clone() for t in state["whitening"]])
         self.state.residuals = {tuple(key): r.clone() for key, r in state["residuals"].items()}
+        self.state.shard_residuals = {tuple(key): (a, b, r.clone())
+                                      for key, (a, b, r) in state.get("shard_residuals", {}).items()}
         self.state.wire_bytes = Counter(state["wire_bytes"])
+        self.state.received_bytes = Counter(state.get("received_bytes", {}))
