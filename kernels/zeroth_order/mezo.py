@@ -22,7 +22,8 @@ import torch
 from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
-from .draws import BASE, standard_normal, stream_key
+from . import draw_kernel
+from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
 from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, unmoved_message
 from .targets import SUPPORTED_DTYPES, check_shards
 
@@ -89,14 +90,37 @@ class MeZO:
         cols = local - rows * param.shape[1]
         return (rows + shard.offset[0]) * shard.full_shape[1] + shard.offset[1] + cols
 
+    def _layout(self, name, param) -> dict:
+        """``draw_kernel.draw``'s description of the parameter's counters (the global,
+        row-major index in the whole, as ``_counters``), and the last of them."""
+        shard = self.shards.get(name)
+        if shard is None:
+            layout = dict(cols=param.numel())
+        elif param.dim() == 1:
+            layout = dict(cols=param.numel(), col_offset=shard.offset[0])
+        else:
+            layout = dict(cols=param.shape[1], row_offset=shard.offset[0], full_cols=shard.full_shape[1],
+                          col_offset=shard.offset[1])
+        rows = max(1, param.numel() // max(1, layout["cols"]))
+        last = (layout.get("row_offset", 0) + rows - 1) * layout.get("full_cols", 1) + \
+            layout.get("col_offset", 0) + layout["cols"] - 1
+        return layout, last
+
     def _blocks(self, name, param):
-        """(flat view of a block, z of that block in the work dtype) over the parameter."""
+        """(flat view of a block, z of that block in the work dtype) over the parameter:
+        drawn by ``draw_kernel`` where ``kernels_for`` the device and every counter of the
+        parameter fits one stream, else by the torch path (which raises on an overflow)."""
         flat = param.data.view(-1)
         key = stream_key(self.seed, self.call, name, BASE)
+        layout, last = self._layout(name, param)
+        kernel = kernels_for(param.device) and fits_one_stream(last)
         for start in range(0, flat.numel(), self.block_elements):
             stop = min(start + self.block_elements, flat.numel())
-            counter = self._counters(name, param, start, stop)
-            yield flat[start:stop], standard_normal(key, counter, self._work(param))
+            if kernel:
+                z = draw_kernel.draw(True, key, stop - start, self._work(param), param.device, start=start, **layout)
+            else:
+                z = standard_normal(key, self._counters(name, param, start, stop), self._work(param))
+            yield flat[start:stop], z
 
     def _shift(self, factor):
         with torch.no_grad():
