@@ -275,3 +275,90 @@ def test_shard_steps_with_the_kernels_equal_the_torch_path(method, device):
               "1.weight": Shard((50,), (13,)), "0.weight": Shard((40, 30), (2, 5))}
     _assert_same_runs(_run(method, True, torch.float32, device, shards=shards),
                       _run(method, False, torch.float32, device, shards=shards))
+
+
+# --- the update kernel on its own -------------------------------------------------------
+
+def _update_case(shape, dtype, device, batch, shard=None, role=None, padding=None):
+    generator = torch.Generator().manual_seed(batch * 31 + len(shape))
+    target = _target("layer.weight", shape, dtype, device, shard, role)
+    if padding is not None:
+        target.module.padding_idx = padding
+    target.param.data.copy_(torch.randn(shape, generator=generator).to(dtype))
+    c = torch.randn(batch, generator=generator, dtype=torch.float64).to(device)
+    return target, c
+
+
+def _torch_update(target, draws_, c, batch, lr, weight_decay, reciprocal):
+    """The torch path's update (``GRZO.step`` over one block), with torch CUDA's division
+    by a CPU scalar (a product with the reciprocal) when ``reciprocal``."""
+    work = target.work_dtype
+    weighted = c.to(work)[:, None] * draws_.signs(target, ROW, batch)
+    if target.is_matrix:
+        rows = torch.arange(target.rows, device=target.param.device)
+        mixed = torch.zeros(target.rows, target.cols, dtype=work, device=target.param.device)
+        columns = draws_.signs(target, COL, batch)
+        for i in range(batch):
+            mixed.addr_(weighted[i], columns[i])
+        product = draws_.base(target, rows) * mixed
+    else:
+        mixed = torch.zeros_like(weighted[0])
+        for term in weighted:
+            mixed += term
+        product = draws_.base(target, None) * mixed
+    estimate = product * (torch.tensor(1.0, dtype=work) / batch).item() if reciprocal else product / batch
+    padding = getattr(target.module, "padding_idx", None) if target.role == "embedding" else None
+    if padding is not None:
+        estimate[padding] = 0
+    current = target.param.data.to(work)
+    return estimate, (current - lr * (estimate + weight_decay * current)).to(target.param.dtype)
+
+
+UPDATE_CASES = [((7, 13), None, None), ((33, 130), Shard((40, 300), (5, 150)), None), ((300,), None, None),
+                ((19, 9), None, 4), ((1, 1), None, None)]
+
+
+@exactness
+@pytest.mark.parametrize("reciprocal", [False, True], ids=["divide", "reciprocal"])
+@pytest.mark.parametrize("batch", [1, 3, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape,shard,padding", UPDATE_CASES, ids=["7x13", "shard", "vector", "padding", "1x1"])
+def test_update_kernel_equals_the_torch_update(shape, shard, padding, dtype, batch, reciprocal, device):
+    """The update (weight written in place) and the estimate (nothing written) against
+    the torch path's arithmetic, for both ways of dividing by B (``divide`` is torch on
+    the CPU, ``reciprocal`` torch on CUDA), batch sizes whose reciprocals round (3, 7)
+    and do not (1, 16), odd shapes, a shard, a vector, an embedding's padding row."""
+    from forge_kernels.zeroth_order.update_kernel import grzo_update
+
+    role = "embedding" if padding is not None else None
+    target, c = _update_case(shape, dtype, device, batch, shard, role, padding)
+    lr, weight_decay = 0.37, 0.011
+    with draws.use_kernels(False):
+        oracle = CallDraws(3, 1)
+        want_estimate, want_weight = _torch_update(target, oracle, c, batch, lr, weight_decay, reciprocal)
+    work = target.work_dtype
+    fast = CallDraws(3, 1)
+    weighted = c.to(work)[:, None] * oracle.signs(target, ROW, batch)
+    columns = oracle.signs(target, COL, batch) if target.is_matrix else None
+    before = target.param.data.clone()
+    estimate = grzo_update(target, fast.key(target, BASE), weighted, columns, batch, lr, weight_decay,
+                           reciprocal=reciprocal, estimate_only=True)
+    assert_bitwise_equal(target.param.data, before, "the weight after estimate_only")
+    assert_bitwise_equal(estimate, want_estimate.reshape(shape), "estimate")
+    grzo_update(target, fast.key(target, BASE), weighted, columns, batch, lr, weight_decay, reciprocal=reciprocal)
+    assert_bitwise_equal(target.param.data, want_weight.reshape(shape), "updated weight")
+
+
+@exactness
+def test_the_reciprocal_differs_from_the_division_somewhere(device):
+    """The two ways of dividing by B are not the same bits (else the reciprocal case
+    above would check nothing): at B = 3 some estimate differs in its last bit."""
+    from forge_kernels.zeroth_order.update_kernel import grzo_update
+
+    target, c = _update_case((64, 64), torch.float32, device, 3)
+    fast = CallDraws(3, 1)
+    weighted = c.to(torch.float32)[:, None] * fast.signs(target, ROW, 3)
+    columns = fast.signs(target, COL, 3)
+    results = [grzo_update(target, fast.key(target, BASE), weighted, columns, 3, 0.1, 0.0, reciprocal=r,
+                           estimate_only=True) for r in (False, True)]
+    assert not torch.equal(results[0], results[1])

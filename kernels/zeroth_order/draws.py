@@ -181,20 +181,29 @@ class CallDraws:
     def key(self, target, kind: int) -> int:
         return stream_key(self.seed, self.call, target.name, kind)
 
+    @staticmethod
+    def kernel_base(target) -> bool:
+        """Whether the target's U is drawn by the kernel: on a device ``kernels_for``
+        and with every counter of the target (row-major in the whole) in one stream."""
+        if not kernels_for(target.param.device):
+            return False
+        if not target.is_matrix:
+            return fits_one_stream(target.row_offset + target.rows - 1)
+        return fits_one_stream((target.row_offset + target.rows - 1) * target.full_cols + target.col_offset
+                               + target.cols - 1)
+
     def base(self, target, rows) -> torch.Tensor:
         """U at ``rows`` (a row-index tensor) of a matrix target, or the whole of a vector
         target's u when ``rows`` is None."""
         key = self.key(target, BASE)
-        if kernels_for(target.param.device):
-            if rows is None and fits_one_stream(target.row_offset + target.rows - 1):
+        if self.kernel_base(target):
+            if rows is None:
                 return draw_kernel.draw(True, key, target.rows, target.work_dtype, target.param.device,
                                         cols=target.rows, col_offset=target.row_offset)
-            last = (target.row_offset + target.rows - 1) * target.full_cols + target.col_offset + target.cols - 1
-            if rows is not None and fits_one_stream(last):
-                return draw_kernel.draw(True, key, len(rows) * target.cols, target.work_dtype,
-                                        target.param.device, rows=rows, cols=target.cols,
-                                        row_offset=target.row_offset, full_cols=target.full_cols,
-                                        col_offset=target.col_offset).view(len(rows), target.cols)
+            return draw_kernel.draw(True, key, len(rows) * target.cols, target.work_dtype,
+                                    target.param.device, rows=rows, cols=target.cols,
+                                    row_offset=target.row_offset, full_cols=target.full_cols,
+                                    col_offset=target.col_offset).view(len(rows), target.cols)
         if rows is None:
             counter = target.row_offset + torch.arange(target.rows, device=target.param.device)
             return standard_normal(key, counter, target.work_dtype)
