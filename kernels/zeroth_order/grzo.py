@@ -267,15 +267,20 @@ class GRZO:
             return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for target in self.targets:
-                if self._kernel_update(target, draws, c, batch) is not None:
-                    continue
-                flat = target.param.data if target.is_matrix else target.param.data.view(-1)
-                for rows in self._blocks(target):
-                    block = flat if rows is None else flat[rows[0]:rows[-1] + 1]
-                    current = block.to(target.work_dtype)
-                    grad = self._block_estimate(target, draws, c, batch, rows)
-                    block.copy_(current - self.lr * (grad + self.weight_decay * current))
+                self._update(target, draws, c, batch)
         return ZerothOrderStep(plus, minus, c, True)
+
+    def _update(self, target, draws, c, batch):
+        """W ← W - lr (ĝ + weight_decay W) for one target: one ``update_kernel`` launch, or
+        the torch path row block by row block."""
+        if self._kernel_update(target, draws, c, batch) is not None:
+            return
+        flat = target.param.data if target.is_matrix else target.param.data.view(-1)
+        for rows in self._blocks(target):
+            block = flat if rows is None else flat[rows[0]:rows[-1] + 1]
+            current = block.to(target.work_dtype)
+            grad = self._block_estimate(target, draws, c, batch, rows)
+            block.copy_(current - self.lr * (grad + self.weight_decay * current))
 
     def state_dict(self) -> dict:
         return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr,
