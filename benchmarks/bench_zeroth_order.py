@@ -24,12 +24,13 @@ to ``--steps`` steps after one warm-up step (fewer where a step is slow, so that
 whole run stays within ``--budget-s``; the CSV says how many, 0 meaning the warm-up
 step's own time). No measurement starts after ``--deadline-s``.
 
-Cost, estimated before any GPU run: drawing one block of 2²⁰ normals is 357 torch
+Cost of the torch path (the draws before ``draw_kernel``), estimated before any GPU run: drawing one block of 2²⁰ normals is 357 torch
 operations on int64 and float64 tensors (Philox and the portable Box–Muller), about 5 ms
 on an H200; a GRZO step draws U three times over the Linears (two hooked forwards, the
 update; 1.2 G elements with one layer and vocabulary 32,000), MeZO four times over every
 parameter (1.9 G), i.e. roughly 5 and 8 s per step. Hence one layer by default, and
-the 90 s limit; ``--layers 2`` about doubles it.
+the 90 s limit; ``--layers 2`` about doubles it. With the kernels the step time is not
+yet measured (pending the H200 run), so those limits are kept.
 
 The memory claim checked (``claim holds`` column): a zeroth-order step's peak exceeds
 inference's by at most 3A + D, where A is the fp32 bytes of the widest activation

@@ -10,6 +10,8 @@ c_i = δ_i / (std(δ) + eps) (``"std"``, Bessel-corrected, as in the paper; bias
 The step is W ← W - lr (ĝ + weight_decay W), row block by row block; the sum over
 examples is taken one example at a time in example order (each term ±c_i is exact, so
 every element is the same rounded sum on every machine, at any position in any block).
+Where the draws run as kernels (``draws.kernels_for``: CUDA by default) the update and
+the estimate of a target are one ``update_kernel`` launch with the same bits.
 
 Data parallelism (``group``): each rank holds b examples, the losses are all-gathered
 (``data_parallel``: 2B float64 numbers per step) and each rank's step is the
