@@ -24,12 +24,13 @@ to ``--steps`` steps after one warm-up step (fewer where a step is slow, so that
 whole run stays within ``--budget-s``; the CSV says how many, 0 meaning the warm-up
 step's own time). No measurement starts after ``--deadline-s``.
 
-Cost, estimated before any GPU run: drawing one block of 2²⁰ normals is 357 torch
+Cost of the torch path (the draws before ``draw_kernel``), estimated before any GPU run: drawing one block of 2²⁰ normals is 357 torch
 operations on int64 and float64 tensors (Philox and the portable Box–Muller), about 5 ms
 on an H200; a GRZO step draws U three times over the Linears (two hooked forwards, the
 update; 1.2 G elements with one layer and vocabulary 32,000), MeZO four times over every
 parameter (1.9 G), i.e. roughly 5 and 8 s per step. Hence one layer by default, and
-the 90 s limit; ``--layers 2`` about doubles it.
+the 90 s limit; ``--layers 2`` about doubles it. With the kernels the step time is not
+yet measured (pending the H200 run), so those limits are kept.
 
 The memory claim checked (``claim holds`` column): a zeroth-order step's peak exceeds
 inference's by at most 3A + D, where A is the fp32 bytes of the widest activation
@@ -45,6 +46,16 @@ itself rule one out.
 
     python3 benchmarks/bench_zeroth_order.py --out benchmarks/results/zeroth_order/h200-memory-speed.csv
     python3 benchmarks/bench_zeroth_order.py --smoke --out /tmp/zo-smoke.csv   # tiny, on the CPU
+
+Since the draws and updates run as Triton kernels on CUDA (``draw_kernel``,
+``update_kernel``, ``mezo_kernel``), the GRZO and MeZO rows above time the kernels.
+``--kernels`` times the parts on their own instead, each with the kernels and with the
+torch path they replace (``use_kernels(False)``), and says whether the two gave the same
+bits: one block of ``BLOCK_ELEMENTS`` normals; GRZO's update of one Llama-3-8B MLP
+weight (4096 × 14336, bf16, B = 16 and B = 12, whose reciprocal rounds); MeZO's shift and
+update of the same weight. One row per part and path (median ms over ``--steps``):
+
+    python3 benchmarks/bench_zeroth_order.py --kernels --out benchmarks/results/zeroth_order/h200-kernels.csv
 """
 
 import argparse
@@ -62,7 +73,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import forge_kernels as fk
-from forge_kernels.zeroth_order.draws import standard_normal
+from forge_kernels.zeroth_order import draw_kernel
+from forge_kernels.zeroth_order.draws import CallDraws, kernels_for, standard_normal, use_kernels
 from forge_kernels.zeroth_order.grzo import BLOCK_ELEMENTS
 
 METHODS = ("inference", "GRZO", "MeZO", "AdamW")
@@ -265,6 +277,83 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def _timed(fn, device, steps):
+    """(median ms, last result) of ``fn()`` over ``steps`` calls after one warm-up call."""
+    result = fn()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        result = fn()
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times), result
+
+
+def _same_bits(a, b) -> bool:
+    views = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    return a.dtype == b.dtype and torch.equal(a.view(views[a.dtype]), b.view(views[b.dtype]))
+
+
+def kernel_parts(device, shape, steps, draw_elements=BLOCK_ELEMENTS):
+    """Rows of ``--kernels``: each part with the kernels and with the torch path."""
+    rows = []
+
+    def record(part, make, batch=""):
+        results = {}
+        for path, choice in (("kernel", True), ("torch", False)):
+            with use_kernels(choice):
+                median, result = _timed(make(), device, steps)
+            results[path] = result
+            rows.append({"part": part, "path": path, "batch": batch, "median_ms": f"{median:.3f}"})
+        equal = all(_same_bits(a, b) for a, b in zip(results["kernel"], results["torch"]))
+        for row in rows[-2:]:
+            row["bitwise_equal"] = equal
+        print(f"{part} B={batch}: kernel {rows[-2]['median_ms']} ms, torch {rows[-1]['median_ms']} ms, "
+              f"same bits: {equal}", flush=True)
+
+    def draw_block():
+        counter = torch.arange(draw_elements, device=device)
+        if kernels_for(device):
+            return lambda: [draw_kernel.draw(True, 12345, draw_elements, torch.float32, device, cols=draw_elements)]
+        return lambda: [standard_normal(12345, counter, torch.float32)]
+    record(f"draw {draw_elements} normals", draw_block)
+
+    torch.manual_seed(0)
+    weight = (0.02 * torch.randn(shape, device=device)).to(torch.bfloat16)
+    for batch in (16, 12):
+        def grzo_update(batch=batch):
+            layer = nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=torch.bfloat16)
+            opt = fk.GRZO(layer, lr=1e-3, normalize="none", weight_decay=0.01, seed=1)
+            target, draws = opt.targets[0], CallDraws(1, 0)
+            c = torch.randn(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(batch)).to(device)
+
+            def step():
+                layer.weight.data.copy_(weight)
+                with torch.no_grad():
+                    opt._update(target, draws, c, batch)
+                return [layer.weight.data.clone()]
+            return step
+        record(f"GRZO update {shape[0]}x{shape[1]} bf16", grzo_update, batch)
+
+    for part in ("shift", "update"):
+        def mezo(part=part):
+            layer = nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=torch.bfloat16)
+            opt = fk.MeZO(layer, lr=1e-3, eps=1e-3, weight_decay=0.01, seed=1)
+
+            def step():
+                layer.weight.data.copy_(weight)
+                with torch.no_grad():
+                    if part == "shift":
+                        opt._shift(1.0)
+                    else:
+                        opt._update(*opt.params[0], 0.37)
+                return [layer.weight.data.clone()]
+            return step
+        record(f"MeZO {part} {shape[0]}x{shape[1]} bf16", mezo)
+    return rows
+
+
 def _batches(text):
     try:
         pairs = [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
@@ -286,8 +375,12 @@ def main(argv=None):
     parser.add_argument("--deadline-s", type=float, default=80.0,
                         help="no new measurement starts after this many seconds (its row is left out)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to see that it runs")
+    parser.add_argument("--kernels", action="store_true",
+                        help="time the draw and update kernels against the torch path, and compare their bits")
     args = parser.parse_args(argv)
     batches = _batches(args.shapes)
+    if args.kernels:
+        return _kernels_main(args)
     if args.smoke:
         shapes, dtype, device = SMOKE, torch.float32, torch.device("cpu")
         batches, args.steps = [(1, 8), (4, 4)], 1
@@ -304,6 +397,28 @@ def main(argv=None):
         writer.writerows(rows)
     print(markdown(rows))
     return 0
+
+
+def _kernels_main(args):
+    if args.smoke:
+        device, shape, steps, draw_elements = torch.device("cpu"), (8, 24), 1, 4096
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("--kernels measures on a GPU; none is visible here (add --smoke to run it on the CPU)")
+        device, shape, steps, draw_elements = torch.device("cuda"), (4096, 14336), args.steps, BLOCK_ELEMENTS
+    rows = kernel_parts(device, shape, steps, draw_elements)
+    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)",
+            "torch": torch.__version__, "triton": _triton_version(),
+            "commit": os.environ.get("FORGE_COMMIT", "unknown")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(meta) + list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**meta, **row} for row in rows)
+    equal = all(row["bitwise_equal"] for row in rows)
+    print("every part: the kernel's bits are the torch path's" if equal else
+          "A KERNEL'S BITS DIFFER FROM THE TORCH PATH (see bitwise_equal)")
+    return 0 if equal else 1
 
 
 if __name__ == "__main__":

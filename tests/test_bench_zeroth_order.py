@@ -23,3 +23,17 @@ def test_the_smoke_run_writes_every_method_and_shape(tmp_path, capsys):
     assert all(r["torch"] and r["triton"] and r["gpu"] for r in rows)
     printed = capsys.readouterr().out
     assert "| 4 × 4 | GRZO |" in printed and "| 1 × 8 | MeZO |" in printed
+
+
+def test_the_kernels_smoke_run_times_each_part_both_ways_and_finds_the_same_bits(tmp_path):
+    """``--kernels --smoke``: every part with the kernels (the interpreter) and with the
+    torch path, and the two agree bit for bit (the GPU run checks the compiled kernels)."""
+    spec = importlib.util.spec_from_file_location("bench_zeroth_order", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "kernels.csv"
+    assert bench.main(["--kernels", "--smoke", "--out", str(out)]) == 0
+    with out.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["path"] for r in rows] == ["kernel", "torch"] * 5
+    assert all(r["bitwise_equal"] == "True" for r in rows)

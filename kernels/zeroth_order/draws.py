@@ -18,15 +18,22 @@ into 32×16-bit halves so that nothing overflows int64. The normal is Box–Mull
 float64 on two 32-bit words, with ``sqrt``, ``log`` and ``cos`` evaluated from basic
 operations alone (``portable_math``), then rounded to the working dtype: every draw, signs and
 normals, is the same on every machine and device.
+
+The functions here are the reference (the oracle). ``CallDraws`` draws the same bits
+with one Triton kernel per block (``draw_kernel``) where ``kernels_for`` says so: on a
+CUDA device by default; ``use_kernels(True)`` runs the kernel on the CPU interpreter too
+(the tests compare the two paths bit for bit), ``use_kernels(False)`` nowhere.
 """
 
+import contextlib
 import functools
 import hashlib
 
 import torch
 
+from .._backend import kernel_device
 from ..ops.stochastic_round import MAX_COUNTER, _splitmix64, check_seed
-from . import portable_math
+from . import draw_kernel, portable_math
 
 BASE, ROW, COL = 0, 1, 2
 _M32 = 0xFFFFFFFF
@@ -123,11 +130,49 @@ def example_signs(key: int, batch: int, size: int, dtype, device, *, offset: int
     return rademacher(key, counter, dtype)
 
 
+_kernel_choice = None
+
+
+def kernels_for(device: torch.device) -> bool:
+    """Whether the zeroth-order draws and updates of tensors on ``device`` run as Triton
+    kernels: on CUDA unless ``use_kernels(False)``; on the CPU (the interpreter) only
+    inside ``use_kernels(True)``."""
+    if _kernel_choice is False:
+        return False
+    if _kernel_choice is True:
+        return torch.device(device).type == kernel_device().type
+    return torch.device(device).type == "cuda"
+
+
+@contextlib.contextmanager
+def use_kernels(enabled: bool | None):
+    """Inside the block, ``kernels_for`` answers True (kernels wherever kernels run),
+    False (the torch reference everywhere) or, for None, the default (CUDA only)."""
+    global _kernel_choice
+    if enabled not in (True, False, None):
+        raise ValueError(f"use_kernels takes True, False or None, got {enabled!r}")
+    was, _kernel_choice = _kernel_choice, enabled
+    try:
+        yield
+    finally:
+        _kernel_choice = was
+
+
+def fits_one_stream(last_counter: int) -> bool:
+    """Whether every counter up to ``last_counter`` is one of a stream's 2**32."""
+    return last_counter < MAX_COUNTER
+
+
 class CallDraws:
     """The draws of one call (seed, call) for any target: U regenerated on request, row
     by row (never stored), and each example's signs (small, cached for the call). A
     target that is a shard of a larger parameter (``target.row_offset`` etc.) draws at
-    its global indices, so it gets the slice of the whole's draws."""
+    its global indices, so it gets the slice of the whole's draws.
+
+    Where ``kernels_for`` the parameter's device, draws run as ``draw_kernel`` launches,
+    the same bits: a target whose every counter fits one stream (checked from its
+    shape, no device read) is drawn by the kernel; one that does not takes the torch
+    path, which raises where a block's counters overflow, as before."""
 
     def __init__(self, seed: int, call: int):
         self.seed, self.call = seed, call
@@ -136,10 +181,29 @@ class CallDraws:
     def key(self, target, kind: int) -> int:
         return stream_key(self.seed, self.call, target.name, kind)
 
+    @staticmethod
+    def kernel_base(target) -> bool:
+        """Whether the target's U is drawn by the kernel: on a device ``kernels_for``
+        and with every counter of the target (row-major in the whole) in one stream."""
+        if not kernels_for(target.param.device):
+            return False
+        if not target.is_matrix:
+            return fits_one_stream(target.row_offset + target.rows - 1)
+        return fits_one_stream((target.row_offset + target.rows - 1) * target.full_cols + target.col_offset
+                               + target.cols - 1)
+
     def base(self, target, rows) -> torch.Tensor:
         """U at ``rows`` (a row-index tensor) of a matrix target, or the whole of a vector
         target's u when ``rows`` is None."""
         key = self.key(target, BASE)
+        if self.kernel_base(target):
+            if rows is None:
+                return draw_kernel.draw(True, key, target.rows, target.work_dtype, target.param.device,
+                                        cols=target.rows, col_offset=target.row_offset)
+            return draw_kernel.draw(True, key, len(rows) * target.cols, target.work_dtype,
+                                    target.param.device, rows=rows, cols=target.cols,
+                                    row_offset=target.row_offset, full_cols=target.full_cols,
+                                    col_offset=target.col_offset).view(len(rows), target.cols)
         if rows is None:
             counter = target.row_offset + torch.arange(target.rows, device=target.param.device)
             return standard_normal(key, counter, target.work_dtype)
@@ -156,7 +220,12 @@ class CallDraws:
                 size, offset, full = target.rows, target.row_offset, target.full_rows
             else:
                 size, offset, full = target.cols, target.col_offset, target.full_cols
-            cached = example_signs(self.key(target, kind), batch, size, target.work_dtype, target.param.device,
-                                   offset=offset, full_size=full, first=first)
+            key, device = self.key(target, kind), target.param.device
+            if kernels_for(device) and fits_one_stream((first + batch - 1) * full + offset + size - 1):
+                cached = draw_kernel.draw(False, key, batch * size, target.work_dtype, device, cols=size,
+                                          row_offset=first, full_cols=full, col_offset=offset).view(batch, size)
+            else:
+                cached = example_signs(key, batch, size, target.work_dtype, device,
+                                       offset=offset, full_size=full, first=first)
             self._signs[cache_key] = cached
         return cached

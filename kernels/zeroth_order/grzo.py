@@ -10,6 +10,8 @@ c_i = δ_i / (std(δ) + eps) (``"std"``, Bessel-corrected, as in the paper; bias
 The step is W ← W - lr (ĝ + weight_decay W), row block by row block; the sum over
 examples is taken one example at a time in example order (each term ±c_i is exact, so
 every element is the same rounded sum on every machine, at any position in any block).
+Where the draws run as kernels (``draws.kernels_for``: CUDA by default) the update and
+the estimate of a target are one ``update_kernel`` launch with the same bits.
 
 Data parallelism (``group``): each rank holds b examples, the losses are all-gathered
 (``data_parallel``: 2B float64 numbers per step) and each rank's step is the
@@ -30,7 +32,8 @@ import torch
 from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
-from .draws import COL, ROW, CallDraws
+from . import update_kernel
+from .draws import BASE, COL, ROW, CallDraws
 from .targets import Perturbed, find_targets, row_blocks
 
 NORMALIZATIONS = ("std", "none")
@@ -209,6 +212,20 @@ class GRZO:
             estimate[rows == padding] = 0
         return estimate
 
+    def _kernel_update(self, target, draws, c, batch, estimate_only=False):
+        """ĝ of the target (``estimate_only``) or its update by ``update_kernel``, the
+        torch path's bits; None where the torch path runs instead: the draws are not
+        ``CallDraws``' own (the harness's enumerated patterns), the device is not one
+        ``kernels_for``, the weight is not contiguous, or a counter leaves the stream."""
+        if type(draws) is not CallDraws or not draws.kernel_base(target) or not target.param.data.is_contiguous():
+            return None
+        work = target.work_dtype
+        weighted = c.to(work)[:, None] * draws.signs(target, ROW, batch)
+        columns = draws.signs(target, COL, batch) if target.is_matrix else None
+        return update_kernel.grzo_update(target, draws.key(target, BASE), weighted, columns, batch, self.lr,
+                                         self.weight_decay, reciprocal=target.param.device.type == "cuda",
+                                         estimate_only=estimate_only)
+
     def _blocks(self, target):
         return row_blocks(target, self.block_elements) if target.is_matrix else [None]
 
@@ -232,12 +249,18 @@ class GRZO:
                     out[target.name] = torch.zeros(target.param.shape, dtype=target.work_dtype,
                                                    device=target.param.device)
                     continue
+                fast = self._kernel_update(target, draws, c, batch, estimate_only=True)
+                if fast is not None:
+                    out[target.name] = fast
+                    continue
                 parts = [self._block_estimate(target, draws, c, batch, rows) for rows in self._blocks(target)]
                 out[target.name] = (torch.cat(parts) if target.is_matrix else parts[0]).reshape(target.param.shape)
         return out
 
     def step(self, closure) -> ZerothOrderStep:
-        """One update W ← W - lr (ĝ + weight_decay W) of every target, row block by row block."""
+        """One update W ← W - lr (ĝ + weight_decay W) of every target, row block by row
+        block (torch) or in one ``update_kernel`` launch (the same bits) where the draws
+        run as kernels."""
         draws = CallDraws(self.seed, self.call)
         plus, minus, batch, c, why = self._draw(closure, draws)
         self.call += 1
@@ -246,13 +269,20 @@ class GRZO:
             return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for target in self.targets:
-                flat = target.param.data if target.is_matrix else target.param.data.view(-1)
-                for rows in self._blocks(target):
-                    block = flat if rows is None else flat[rows[0]:rows[-1] + 1]
-                    current = block.to(target.work_dtype)
-                    grad = self._block_estimate(target, draws, c, batch, rows)
-                    block.copy_(current - self.lr * (grad + self.weight_decay * current))
+                self._update(target, draws, c, batch)
         return ZerothOrderStep(plus, minus, c, True)
+
+    def _update(self, target, draws, c, batch):
+        """W ← W - lr (ĝ + weight_decay W) for one target: one ``update_kernel`` launch, or
+        the torch path row block by row block."""
+        if self._kernel_update(target, draws, c, batch) is not None:
+            return
+        flat = target.param.data if target.is_matrix else target.param.data.view(-1)
+        for rows in self._blocks(target):
+            block = flat if rows is None else flat[rows[0]:rows[-1] + 1]
+            current = block.to(target.work_dtype)
+            grad = self._block_estimate(target, draws, c, batch, rows)
+            block.copy_(current - self.lr * (grad + self.weight_decay * current))
 
     def state_dict(self) -> dict:
         return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr,

@@ -13,6 +13,10 @@ the two losses are averaged over the ranks (``data_parallel.average_losses``: 2 
 numbers per rank per step), so every rank takes the same step: the single-process step
 whose loss is the mean of the ranks' mean losses. Tensor parallelism (``shards``): z of
 a shard is drawn at the whole's global (row-major) indices, the slice of the whole's z.
+
+Where the draws run as kernels (``draws.kernels_for``: CUDA by default), each shift and
+the update of a parameter is one ``mezo_kernel`` launch that regenerates z in registers,
+the torch path's operations in its order, so the same bits.
 """
 
 import warnings
@@ -22,7 +26,8 @@ import torch
 from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
-from .draws import BASE, standard_normal, stream_key
+from . import draw_kernel, mezo_kernel
+from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
 from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, unmoved_message
 from .targets import SUPPORTED_DTYPES, check_shards
 
@@ -89,18 +94,54 @@ class MeZO:
         cols = local - rows * param.shape[1]
         return (rows + shard.offset[0]) * shard.full_shape[1] + shard.offset[1] + cols
 
+    def _layout(self, name, param) -> dict:
+        """``draw_kernel.draw``'s description of the parameter's counters (the global,
+        row-major index in the whole, as ``_counters``), and the last of them."""
+        shard = self.shards.get(name)
+        if shard is None:
+            layout = dict(cols=param.numel())
+        elif param.dim() == 1:
+            layout = dict(cols=param.numel(), col_offset=shard.offset[0])
+        else:
+            layout = dict(cols=param.shape[1], row_offset=shard.offset[0], full_cols=shard.full_shape[1],
+                          col_offset=shard.offset[1])
+        rows = max(1, param.numel() // max(1, layout["cols"]))
+        last = (layout.get("row_offset", 0) + rows - 1) * layout.get("full_cols", 1) + \
+            layout.get("col_offset", 0) + layout["cols"] - 1
+        return layout, last
+
     def _blocks(self, name, param):
-        """(flat view of a block, z of that block in the work dtype) over the parameter."""
+        """(flat view of a block, z of that block in the work dtype) over the parameter:
+        drawn by ``draw_kernel`` where ``kernels_for`` the device and every counter of the
+        parameter fits one stream, else by the torch path (which raises on an overflow)."""
         flat = param.data.view(-1)
         key = stream_key(self.seed, self.call, name, BASE)
+        layout, last = self._layout(name, param)
+        kernel = kernels_for(param.device) and fits_one_stream(last)
         for start in range(0, flat.numel(), self.block_elements):
             stop = min(start + self.block_elements, flat.numel())
-            counter = self._counters(name, param, start, stop)
-            yield flat[start:stop], standard_normal(key, counter, self._work(param))
+            if kernel:
+                z = draw_kernel.draw(True, key, stop - start, self._work(param), param.device, start=start, **layout)
+            else:
+                z = standard_normal(key, self._counters(name, param, start, stop), self._work(param))
+            yield flat[start:stop], z
+
+    def _kernel_layout(self, name, param):
+        """The counter layout for ``mezo_kernel`` where it runs (the device ``kernels_for``,
+        a contiguous parameter, every counter in one stream), else None (the torch path)."""
+        layout, last = self._layout(name, param)
+        if kernels_for(param.device) and param.data.is_contiguous() and fits_one_stream(last):
+            return layout
+        return None
 
     def _shift(self, factor):
         with torch.no_grad():
             for name, param in self.params:
+                layout = self._kernel_layout(name, param)
+                if layout is not None:
+                    mezo_kernel.mezo_shift(param, self._work(param), stream_key(self.seed, self.call, name, BASE),
+                                           layout, self.eps, factor)
+                    continue
                 for block, z in self._blocks(name, param):
                     block.copy_(block.to(z.dtype) + factor * (self.eps * z))
 
@@ -162,11 +203,21 @@ class MeZO:
             return ZerothOrderStep(plus, minus, None, False)
         with torch.no_grad():
             for name, param in self.params:
-                for block, z in self._blocks(name, param):
-                    current = block.to(z.dtype)
-                    block.copy_(current - self.lr * (float(projected) * z + self.weight_decay * current))
+                self._update(name, param, float(projected))
         self.call += 1
         return ZerothOrderStep(plus, minus, projected, True)
+
+    def _update(self, name, param, projected: float):
+        """θ ← θ - lr (projected · z + weight_decay θ) for one parameter: one
+        ``mezo_kernel`` launch, or the torch path block by block."""
+        layout = self._kernel_layout(name, param)
+        if layout is not None:
+            mezo_kernel.mezo_update(param, self._work(param), stream_key(self.seed, self.call, name, BASE),
+                                    layout, self.lr, projected, self.weight_decay)
+            return
+        for block, z in self._blocks(name, param):
+            current = block.to(z.dtype)
+            block.copy_(current - self.lr * (projected * z + self.weight_decay * current))
 
     def state_dict(self) -> dict:
         return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr, "eps": self.eps,
