@@ -404,6 +404,7 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
         fk.GRZO(nn.Linear(2, 2), **{"lr": 0.1, **kwargs})
 
 
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events:UserWarning")  # torch 2.11 on CUDA builds: one cycle here
 @pytest.mark.parametrize("method", ["GRZO", "MeZO"])
 def test_a_step_allocates_nothing_weight_sized(method):
     """A 256 × 256 fp32 Linear (256 KiB) with block_elements = 2,048: the largest single
@@ -517,6 +518,7 @@ def test_a_perturbation_rounded_away_in_bf16_is_named_and_takes_no_step(method, 
     assert make(control).step(closure).stepped
 
 
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events:UserWarning")  # torch 2.11 on CUDA builds: one cycle here
 def test_the_embedding_hook_draws_its_used_rows_in_blocks():
     """An Embedding(8192, 2) fed all 8,192 tokens, block_elements = 512: the largest single
     allocation of a step is torch.unique's int64 values and inverse over the tokens (16

@@ -38,8 +38,11 @@ def _words_kernel(out_ptr, counter_ptr, n, key, BLOCK: tl.constexpr):
     mask = i < n
     counter = tl.load(counter_ptr + i, mask=mask, other=0).to(tl.uint32)
     w0, w1, w2, w3 = tl.randint4x(key, counter)
-    for slot, word in enumerate((w0, w1, w2, w3)):
-        tl.store(out_ptr + slot * n + i, word.to(tl.int64) & 0xFFFFFFFF, mask=mask)
+    # Four stores written out: the compiler has no enumerate (the interpreter does).
+    tl.store(out_ptr + i, w0.to(tl.int64) & 0xFFFFFFFF, mask=mask)
+    tl.store(out_ptr + n + i, w1.to(tl.int64) & 0xFFFFFFFF, mask=mask)
+    tl.store(out_ptr + 2 * n + i, w2.to(tl.int64) & 0xFFFFFFFF, mask=mask)
+    tl.store(out_ptr + 3 * n + i, w3.to(tl.int64) & 0xFFFFFFFF, mask=mask)
 
 
 @exactness
@@ -306,7 +309,11 @@ def _torch_update(target, draws_, c, batch, lr, weight_decay, reciprocal):
         for term in weighted:
             mixed += term
         product = draws_.base(target, None) * mixed
-    estimate = product * (torch.tensor(1.0, dtype=work) / batch).item() if reciprocal else product / batch
+    # Divided element by element (a tensor by a tensor): a true division on every device. A
+    # tensor divided by a Python number is one only on the CPU (CUDA multiplies by the
+    # reciprocal), so it could not stand for the divide mode on a GPU.
+    estimate = (product * (torch.tensor(1.0, dtype=work) / batch).item() if reciprocal
+                else product / torch.full_like(product, batch))
     padding = getattr(target.module, "padding_idx", None) if target.role == "embedding" else None
     if padding is not None:
         estimate[padding] = 0
