@@ -10,8 +10,6 @@ a copy with fewer Philox rounds). A diagnostic, not the benchmark table (that is
 """
 
 import argparse
-import importlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,18 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from probe_ab import load_tree  # noqa: E402
 
 fk = bu.fk
 CASES = (("fp32", None), ("bf16-sr", "stochastic"), ("bf16-sr", "nearest"), ("q8", "stochastic"), ("q8", "nearest"))
-
-
-def load_tree(folder: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    importlib.import_module(f"{name}.ops.fused_weight_update")
-    return module
 
 
 def epilogue_of(package, layer, config, rounding):
