@@ -295,3 +295,38 @@ def overflowing_shard_sum(seed: int):
     except fk.NonFiniteInputError as error:
         return str(error), sorted(state.residuals), sorted(state.shard_residuals)
     return None, sorted(state.residuals), sorted(state.shard_residuals)
+
+
+def hook_on_the_pools_device(seed: int, fmt: str, exchange: str):
+    """The hook with every parameter on the plain route, on the pool's device: CUDA
+    gradients through NCCL (``overlap=False``: the communication thread carries no CUDA
+    stream), or the host's through gloo. [(hook gradient, DDP's own averaged gradient,
+    ``fk.gift.round_trip`` of it)] per parameter, on the host."""
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    model = _integer_mlp(seed).to(device)
+    twin = copy.deepcopy(model)
+    device_ids = [device.index] if on_gpu else None
+    hooked = DistributedDataParallel(model, device_ids=device_ids)
+    state = fk.gift.GiftState(None, fmt, 4, 1, layers=(), exchange=exchange, overlap=False)
+    hooked.register_comm_hook(state, fk.gift.gift_hook)
+    plain = DistributedDataParallel(twin, device_ids=device_ids)
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    x = torch.randint(-3, 4, (8, 16), generator=g).float().to(device)
+    target = torch.randint(-2, 3, (8, 8), generator=g).float().to(device)
+    for net in (hooked, plain):
+        (net(x) * target).sum().backward()
+    state.close()
+    return [(a.grad.cpu(), b.grad.cpu(), _flat_round_trip(b.grad, fmt).cpu())
+            for a, b in zip(model.parameters(), twin.parameters())]
+
+
+def _flat_round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``fk.gift.round_trip`` of a tensor as the hook codes it: flattened, and for NVFP4
+    zero-padded to whole 16-element blocks (the hook's padding); the identity for fp32."""
+    if fmt == "fp32":
+        return x.clone()
+    flat = x.reshape(1, -1)
+    if fmt == "nvfp4":
+        flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % 16))
+    return fk.gift.round_trip(flat, fmt)[0, :x.numel()].reshape(x.shape)

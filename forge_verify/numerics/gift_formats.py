@@ -90,7 +90,7 @@ def fp8_scale_reference(amax: float, fmt: str) -> float:
 
 
 def _e2m1_code(v: np.float32) -> int:
-    sign = 8 if v < 0 else 0
+    sign = 8 if math.copysign(1.0, v) < 0 else 0  # the sign kept on zero
     a = min(abs(float(v)), 6.0)
     distances = [abs(a - level) for level in E2M1_LEVELS]  # exact in float64
     best = min(distances)

@@ -1,0 +1,29 @@
+"""GIFT's hook in one rank's process group, on the default backend: NCCL on a GPU (CUDA
+gradients; the codec on the GPU; uint8 codes through NCCL's all-gather and all-to-all;
+``overlap=False``), gloo on the CPU. With one rank the exchange must be the codec's own
+round trip: the identity codec gives DDP's averaged gradient bit for bit, E4M3 and NVFP4
+give ``fk.gift.round_trip`` of it bit for bit (first step: no residual yet; one rank's
+amax is the agreed one), on both exchanges (the reduce-scatter's second quantization
+re-encodes a grid value under the same scale: a fixed point). The multi-rank hook
+properties need as many GPUs as ranks under NCCL; this is what one GPU can check."""
+
+import pytest
+
+from forge_verify.distributed import gift_jobs
+from forge_verify.distributed.ranks import RankPool
+from forge_verify.numerics.bits import assert_bitwise_equal
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    with RankPool(1) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("fmt", ["fp32", "e4m3", "nvfp4"])
+def test_one_rank_exchange_is_the_codecs_round_trip(one_rank, fmt, exchange):
+    (triples,) = one_rank.run(gift_jobs.hook_on_the_pools_device, 5, fmt, exchange)
+    for i, (hooked, averaged, round_trip) in enumerate(triples):
+        assert averaged.abs().max() > 0, i  # a gradient that moves, so the codec has work
+        assert_bitwise_equal(hooked, round_trip, f"{fmt} {exchange}, parameter {i}")
