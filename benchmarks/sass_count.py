@@ -1,0 +1,128 @@
+"""The fused kernel's SASS, compiled offline for sm_90 (no GPU needed: the Triton wheel
+carries ptxas and nvdisasm): registers, spill stores and static instruction counts per
+tile config, and per element of the tile. The epilogue is straight-line code (no loop
+over the tile), so the static count per element tracks what Nsight Compute counts per
+element on the H200 (benchmarks/README.md: 104-139 executed for fp32 and bf16 at 256
+tokens, of which the token loop is a small part). A diagnostic for kernel changes on
+a machine without a GPU; times come only from the GPU.
+
+    python3 benchmarks/sass_count.py [--regimes fp32,bf16-sr,q8] [--configs "64,128,64,8,3,128,2;..."]
+
+Counts depend on the Triton version (the H200 image has 3.6; the CPU set-up 3.9).
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (also when a parent process interprets)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import forge_kernels  # noqa: E402
+
+fk = forge_kernels()
+from forge_kernels.ops.fused_weight_update import _fused_weight_update_kernel as KERNEL  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+STORAGE = {"fp32": ("fp32", "fp32", False), "bf16-sr": ("bf16", "bf16", True), "q8": ("bf16", "u8", True)}
+INTEGER_ARGS = ("T", "N", "K", "KB", "stride_xt", "stride_dyt")
+
+
+def compile_sm90(regime: str, config: tuple, stochastic: bool):
+    """The kernel for AdamW on a 4096-wide weight in ``regime``, specialized as a launch
+    on the H200 would specialize it (16-byte aligned pointers, unit inner strides)."""
+    weight, state, _ = STORAGE[regime]
+    exponents = "i8" if regime == "q8" else weight
+    block_n, block_k, block_t, warps, stages = config[:5]
+    maxnreg = config[5] if len(config) > 5 else None
+    split = config[6] if len(config) > 6 else 1
+    rule = fk.AdamW()
+    signature = dict(x_ptr="*bf16", dy_ptr="*bf16", w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}",
+                     s2_ptr=f"*{weight}", e0_ptr=f"*{exponents}", e1_ptr=f"*{exponents}", e2_ptr=f"*{weight}",
+                     table_ptr="*fp32" if regime == "q8" else f"*{weight}", flag_ptr="*i32", status_ptr="*i32",
+                     T="i32", N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32",
+                     stride_xt="i32", stride_xk="constexpr", stride_dyt="i32", stride_dyn="constexpr",
+                     grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64",
+                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}")
+    constants = dict(stride_xk=1, stride_dyn=1, RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True,
+                     HAS_S2=False, W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8",
+                     STOCHASTIC=stochastic, NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False,
+                     BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, INTERPRETED=False)
+    for name in KERNEL.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+    signature = {name: signature[name] for name in KERNEL.arg_names}
+    aligned = [i for i, name in enumerate(KERNEL.arg_names)
+               if signature[name].startswith("*") or name in INTEGER_ARGS]
+    source = ASTSource(KERNEL, signature, constexprs=constants, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), maxnreg
+
+
+def ptxas_usage(ptx: str, maxnreg) -> tuple:
+    """(registers, spill-store bytes) as ptxas reports them for sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    cap = [f"--maxrregcount={maxnreg}"] if maxnreg else []
+    report = ""
+    # The wheel carries two assemblers; the PTX of newer Triton needs the newer one.
+    for name in ("ptxas", "ptxas-blackwell"):
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        done = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", f.name, "-o", os.devnull] + cap,
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            report = done.stderr
+            break
+    os.unlink(f.name)
+    registers = re.findall(r"Used (\d+) registers", report)
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    return int(registers[0]) if registers else None, int(spills[0]) if spills else None
+
+
+def instruction_mix(sass: str) -> collections.Counter:
+    """Opcode counts of nvdisasm's listing (one tab-separated instruction per line)."""
+    mix = collections.Counter()
+    for line in sass.splitlines():
+        if "\t" not in line or line.startswith("Function"):
+            continue
+        text = re.sub(r"^@!?U?P\w+\s+", "", line.split("\t", 1)[1].strip())
+        mix[text.split()[0].split(".")[0].rstrip(";")] += 1
+    return mix
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--regimes", default="fp32,bf16-sr,q8")
+    parser.add_argument("--configs", default=None, help="';'-separated tuples (default: the tuned ones at 256 tokens)")
+    parser.add_argument("--nearest", action="store_true", help="round-to-nearest instead of stochastic rounding")
+    args = parser.parse_args()
+    tuned = json.loads((HERE / "tuned_configs.json").read_text())
+    print(f"triton {triton.__version__}, sm_90, AdamW, 4096-wide weight")
+    for regime in args.regimes.split(","):
+        configs = ([tuple(None if v == "None" else int(v) for v in c.split(",")) for c in args.configs.split(";")]
+                   if args.configs else [tuple(tuned[regime]["256"])])
+        for config in configs:
+            compiled, maxnreg = compile_sm90(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
+            registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)
+            mix = instruction_mix(compiled.asm["sass"])
+            total = sum(mix.values())
+            per_element = total * config[3] * 32 / (config[0] * config[1])
+            top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
+            print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
+                  f"({per_element:.0f} per element per thread-lane) | {top}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
