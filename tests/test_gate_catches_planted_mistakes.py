@@ -63,8 +63,9 @@ MISTAKES = [
             # with the host encoding at its global index, on every backend.
             ("tests/test_q8.py", "-k", "host_encoding_of_the_fp32_step and stochastic")),
     Mistake("bias correction applied twice", "rules/adamw.py",
-            "denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps",
-            "denom = tl.div_rn(tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt), bias_correction2_sqrt) + eps",
+            "denom = div_by_scalar_rn(tl.sqrt_rn(v), reciprocal_f64(bias_correction2_sqrt)) + eps",
+            "denom = div_by_scalar_rn(div_by_scalar_rn(tl.sqrt_rn(v), reciprocal_f64(bias_correction2_sqrt)), "
+            "reciprocal_f64(bias_correction2_sqrt)) + eps",
             ("rule adamw", "exceeds its proven bound"),
             ("properties/test_reference_closeness.py", "-k", "adamw")),
 ]
