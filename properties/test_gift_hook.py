@@ -176,6 +176,24 @@ def test_reduce_scatter_error_feedback_loses_nothing_across_a_refresh(world, ran
         assert_bitwise_equal(accounted, given, f"rank {rank}")
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_reduce_scatter_state_resumed_on_the_all_gather_loses_nothing(world, rank_pool):
+    """Saved after 3 reduce-scatter steps (shard residuals held), loaded into an
+    all-gather hook, 3 more steps: the ledger still closes exactly, and no shard residual
+    is left unsent at the end (the all-gather folds them into the first residuals)."""
+    for rank, (accounted, given, held) in enumerate(rank_pool(world).run(gift_jobs.reduce_scatter_ledger, 5, 6,
+                                                                          {0: 3}, 3)):
+        assert held == [False], held  # none at step 0, none left at the end
+        assert_bitwise_equal(accounted, given, f"rank {rank}")
+
+
+def test_the_identity_codec_keeps_no_residual_from_an_overflowed_sum(rank_pool):
+    """Its second step is exact, so it keeps no shard residual: an inf - inf residual from
+    an overflowed sum would make that element NaN at every later step."""
+    for rank, (finite, shards) in enumerate(rank_pool(2).run(gift_jobs.identity_overflow_then_finite, 6)):
+        assert finite and shards == [], (rank, finite, shards)
+
+
 def test_an_overflowing_shard_sum_is_refused_on_every_rank(rank_pool):
     for rank, (message, residuals, shards) in enumerate(rank_pool(2).run(gift_jobs.overflowing_shard_sum, 4)):
         assert message is not None and "overflowed fp32 on at least one rank" in message, (rank, message)

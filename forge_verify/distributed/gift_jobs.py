@@ -246,22 +246,30 @@ def exchange_bytes(fmt: str, exchange: str, numels):
     return dict(state.wire_bytes), dict(state.received_bytes)
 
 
-def reduce_scatter_ledger(seed: int, steps: int, refreshes: dict):
+def reduce_scatter_ledger(seed: int, steps: int, refreshes: dict, switch_at: int = None):
     """``error_feedback_ledger`` on the reduce-scatter exchange, where the second
     quantization's residual sits with the shard's owner: over all ranks, in real
     coordinates as float64, (Σ_t world · out_t + Σ_r (first residual_r + shard
     residual_r), Σ_t Σ_r G_r), and whether some rank held a nonzero shard residual at
-    the end and before the refresh."""
+    the end and before the refresh. ``switch_at``: at that step the state is saved and
+    loaded into an all-gather hook, which goes on from there."""
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = nn.Linear(16, 8, bias=False)
-    state = fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
-                              exchange="reduce_scatter")
+
+    def hook_state(exchange):
+        return fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
+                                 exchange=exchange)
+    state = hook_state("reduce_scatter")
     key = id(layer.weight)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     out_total = torch.zeros(8, 16, dtype=torch.float64)
     given = torch.zeros(8, 16, dtype=torch.float64)
     held = []
     for t in range(steps):
+        if t == switch_at:
+            saved = state.state_dict([layer.weight])
+            state = hook_state("all_gather")
+            state.load_state_dict(saved, [layer.weight])
         if t in refreshes:
             held.append(bool(key in state.shard_residuals and state.shard_residuals[key][2].abs().max() > 0))
             layer(2.0 ** refreshes[t] * torch.eye(16))
@@ -295,6 +303,19 @@ def overflowing_shard_sum(seed: int):
     except fk.NonFiniteInputError as error:
         return str(error), sorted(state.residuals), sorted(state.shard_residuals)
     return None, sorted(state.residuals), sorted(state.shard_residuals)
+
+
+def identity_overflow_then_finite(seed: int):
+    """The identity ("fp32") codec on the reduce-scatter: a step whose shard sum overflows
+    (3e38 from every rank: inf in the result, as an fp32 all-reduce gives), then a finite
+    step. (whether the second result is finite, the shard residual keys held)."""
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    x = torch.randn(4, 16, generator=g)
+    x[1, 5] = 3e38
+    state = fk.gift.GiftState(None, "fp32", layers=(), exchange="reduce_scatter")
+    state.exchange([("x", x, None)])
+    (second,) = state.exchange([("x", torch.randn(4, 16, generator=g), None)])
+    return bool(torch.isfinite(second).all()), sorted(state.shard_residuals)
 
 
 def hook_on_the_pools_device(seed: int, fmt: str, exchange: str):

@@ -260,7 +260,16 @@ class GiftState:
             if self.error_feedback:
                 self.residuals[key] = y - local
             self.last_sent[key] = local
-        if shard_updates is None or not self.error_feedback:
+        if not self.error_feedback:
+            return
+        if shard_updates is None:
+            # The all-gather exchange keeps no shard residuals; one held from a reduce-scatter
+            # state (loaded, or this hook's before a switch) joins the first residual, so it is
+            # sent once rather than kept unsent for ever.
+            for key, _, _ in entries:
+                held = self.shard_residuals.pop(key, None)
+                if held is not None:
+                    self._fold(key, held)
             return
         for key, _, _ in entries:
             held = self.shard_residuals.pop(key, None)
@@ -333,7 +342,8 @@ class GiftState:
             offset, units = layout.offsets[t], layout.shard_units[t]
             payload, local, _ = codec.encode(z, second[t])
             requantized[offset:offset + units] = codec.units(payload, z.numel())
-            shard_updates[key] = (*layout.elements(t, me), z - local)
+            if self.fmt != "fp32":  # the identity codec's second step is exact: nothing to feed back
+                shard_updates[key] = (*layout.elements(t, me), z - local)
         gathered = [torch.empty_like(requantized) for _ in range(world)]
         dist.all_gather(gathered, requantized, group=group)
         self.wire_bytes["gradients"] += requantized.numel()

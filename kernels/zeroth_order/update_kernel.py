@@ -54,12 +54,15 @@ def _grzo_update_kernel(w_ptr, out_ptr, weighted_ptr, columns_ptr, scalars_ptr, 
     u = normal_from_words(w0, w1, table_ptr).to(work)
     mixed = tl.zeros((BLOCK_R, BLOCK_C), dtype=work)
     for i in range(batch):
+        # int64: example i's row starts at i * rows, which passes 2**31 for a large batch of
+        # a large embedding (the torch path indexes in int64 too).
+        example = tl.cast(i, tl.int64)
         if MATRIX:
-            weight_row = tl.load(weighted_ptr + i * rows + j, mask=in_rows, other=0.0)
-            column = tl.load(columns_ptr + i * cols + k, mask=in_cols, other=0.0)
+            weight_row = tl.load(weighted_ptr + example * rows + j, mask=in_rows, other=0.0)
+            column = tl.load(columns_ptr + example * cols + k, mask=in_cols, other=0.0)
             mixed = mixed + weight_row[:, None] * column[None, :]
         else:
-            mixed = mixed + tl.load(weighted_ptr + i * cols + k, mask=in_cols, other=0.0)[None, :]
+            mixed = mixed + tl.load(weighted_ptr + example * cols + k, mask=in_cols, other=0.0)[None, :]
     estimate = u * mixed
     if RECIPROCAL:
         estimate = estimate * tl.load(scalars_ptr + 2)
