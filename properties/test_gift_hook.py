@@ -176,6 +176,22 @@ def test_reduce_scatter_error_feedback_loses_nothing_across_a_refresh(world, ran
         assert_bitwise_equal(accounted, given, f"rank {rank}")
 
 
+def test_power_of_two_scaling_stays_within_its_second_quantization_bound(rank_pool):
+    """A shard sum of 480 and 3 · 2**-9: under power-of-two scaling the second scale is
+    half of current scaling's, so the small element's subnormal error is twice as large.
+    It stays within the bound for that scaling (and exceeds the current-scaling bound,
+    which shows the case is the one that needs the factor)."""
+    rows = [[240.0, 2.0 ** -9] + [0.0] * 14, [240.0, 2.0 ** -8] + [0.0] * 14]
+    for rank, (out, everyone) in enumerate(rank_pool(2).run(gift_jobs.power_of_two_requantization, rows)):
+        stacked = torch.stack(everyone).double()
+        error = (2 * out.double() - stacked.sum(dim=0)).abs()
+        bound = reduce_scatter_element_bound("e4m3", stacked.sum(dim=0), stacked.abs().sum(dim=0), 2,
+                                             scaling="power_of_two")
+        assert bool((error <= bound).all()), (rank, float((error - bound).max()))
+        current = reduce_scatter_element_bound("e4m3", stacked.sum(dim=0), stacked.abs().sum(dim=0), 2)
+        assert bool((error > current).any()), rank
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_reduce_scatter_state_resumed_on_the_all_gather_loses_nothing(world, rank_pool):
     """Saved after 3 reduce-scatter steps (shard residuals held), loaded into an

@@ -318,6 +318,19 @@ def identity_overflow_then_finite(seed: int):
     return bool(torch.isfinite(second).all()), sorted(state.shard_residuals)
 
 
+def power_of_two_requantization(values_by_rank):
+    """Each rank sends its row of ``values_by_rank`` on the reduce-scatter exchange under
+    power-of-two scaling, without error feedback: (result, every rank's local decode)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.tensor(values_by_rank[rank], dtype=torch.float32)
+    state = fk.gift.GiftState(None, "e4m3", layers=(), error_feedback=False, exchange="reduce_scatter",
+                              scaling="power_of_two")
+    (out,) = state.exchange([("g", x, None)])
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, state.last_sent["g"])
+    return out, everyone
+
+
 def hook_on_the_pools_device(seed: int, fmt: str, exchange: str):
     """The hook with every parameter on the plain route, on the pool's device: CUDA
     gradients through NCCL (``overlap=False``: the communication thread carries no CUDA

@@ -85,14 +85,16 @@ def fp8_requantization_coefficients(fmt: str):
 
 
 def reduce_scatter_element_bound(fmt: str, sent_sum: torch.Tensor, sent_abs_sum: torch.Tensor,
-                                 world: int) -> torch.Tensor:
+                                 world: int, scaling: str = "current") -> torch.Tensor:
     """Per element of one tensor, a bound on |world · out − Σ_r ŷ_r| for the reduce-scatter
     exchange without error feedback, where ŷ_r is what rank r decoded locally from its
     own codes (``last_sent``), ``sent_sum`` = Σ_r ŷ_r and ``sent_abs_sum`` = Σ_r |ŷ_r|
     (float64, the tensor's shape) and out the exchange's mean before T^{-1} (world a power
     of two, so that out · world is exact). Two parts (proofs/gift.md, section 7): the shard
     sum Z's fp32 rounding against Σ_r ŷ_r, ε = (world + 2) u Σ_r |ŷ_r|, and the second
-    quantization of Z under the scale agreed from max |Z|."""
+    quantization of Z under the scale agreed from max |Z|. ``scaling`` is the hook's: under
+    "power_of_two" that scale is fl(max / amax) rounded down to a power of two, so its
+    reciprocal, which multiplies the subnormal step, is up to twice as large (FP8 only)."""
     u = U32
     eps = (world + 2) * u * sent_abs_sum.to(torch.float64)
     z = sent_sum.to(torch.float64).abs() + eps          # ≥ |Z|
@@ -102,9 +104,15 @@ def reduce_scatter_element_bound(fmt: str, sent_sum: torch.Tensor, sent_abs_sum:
     if fmt in FP8_STEPS:
         rho, tau_s = fp8_requantization_coefficients(fmt)
         inverse_scale = amax / FP8_STEPS[fmt][2] * (1 + u) / (1 - u)  # ≥ 1 / fl(max / amax)
+        if scaling == "power_of_two":
+            inverse_scale *= 2  # the power of two at or below fl(max / amax) is more than half of it
+        elif scaling != "current":
+            raise ValueError(f"unknown scaling {scaling!r}")
         return (eps + rho * z + tau_s * inverse_scale) * (1 + 2.0 ** -30)
     if fmt != "nvfp4":
         raise ValueError(f"unknown wire format {fmt!r}")
+    if scaling != "current":
+        raise ValueError("NVFP4 has only current scaling (its per-tensor scale is TE's)")
     flat = z.reshape(-1)
     blocks = torch.cat([flat, flat.new_zeros(-flat.numel() % 16)]).reshape(-1, 16)
     vmax = blocks.amax(dim=1, keepdim=True).expand(-1, 16).reshape(-1)[:flat.numel()].reshape(z.shape)
@@ -113,14 +121,17 @@ def reduce_scatter_element_bound(fmt: str, sent_sum: torch.Tensor, sent_abs_sum:
 
 
 def e4m3_sum_bound(whitening, sent_norms, grad_norms, scale: float, numel: int,
-                   exchange: str = "all_gather") -> float:
+                   exchange: str = "all_gather", scaling: str = "current") -> float:
     """β_Σ with ‖out − Σ_r G_r‖_F ≤ β_Σ for one summing exchange (``average=False``, no
     error feedback) of E4M3 codes under the shared ``scale`` over the ranks, where rank r
     sent y_r = apply(G_r) (``sent_norms``: ‖y_r‖_F, ``grad_norms``: ‖G_r‖_F, ``numel``
     elements each) and out = invert(fl(Σ_r values_r / scale)) (proofs/gift.md, "6. A
     summed exchange"); ``exchange="reduce_scatter"``: out = invert(Q₂(Z)), Z =
     fl(Σ_r values_r / scale) re-quantized under its own agreed scale (section 7).
-    ``whitening`` None: the plain route (T = I, exact maps)."""
+    ``whitening`` None: the plain route (T = I, exact maps). ``scaling`` the hook's: under
+    "power_of_two" the second scale's reciprocal is up to twice the current one's."""
+    if scaling not in ("current", "power_of_two"):
+        raise ValueError(f"unknown scaling {scaling!r}")
     u = U32
     world = len(sent_norms)
     relative = u + 2.0 ** -4 * (1 + u)            # per element: fl(y s), then E4M3's half step
@@ -131,7 +142,7 @@ def e4m3_sum_bound(whitening, sent_norms, grad_norms, scale: float, numel: int,
     if exchange == "reduce_scatter":
         rho, tau_s = fp8_requantization_coefficients("e4m3")
         # the second amax is max |Z| ≤ ‖Z‖_F ≤ (1 + u) V, so 1/s₂ ≤ (1 + u) V / (448 (1 − u))
-        tau = tau_s * (1 + u) * V / (448.0 * (1 - u))
+        tau = tau_s * (1 + u) * V / (448.0 * (1 - u)) * (2 if scaling == "power_of_two" else 1)
         W += rho * inverted + tau * numel ** 0.5                 # + ‖Q₂(Z) − Z‖
         inverted = (1 + rho) * inverted + tau * numel ** 0.5     # ≥ ‖Q₂(Z)‖
     elif exchange != "all_gather":
