@@ -229,6 +229,28 @@ def _bits(tensors):
     return [t.detach().clone() for t in tensors]
 
 
+KERNEL_ENTRY_POINTS = [("draw_kernel", "draw"), ("update_kernel", "grzo_update"), ("mezo_kernel", "mezo_shift"),
+                       ("mezo_kernel", "mezo_update")]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Calls of each kernel entry point during a test: a run "with the kernels" that no
+    longer reached them would compare the torch path with itself and pass."""
+    import importlib
+    counts = {}
+    for module_name, function_name in KERNEL_ENTRY_POINTS:
+        module = importlib.import_module(f"forge_kernels.zeroth_order.{module_name}")
+        original = getattr(module, function_name)
+
+        def counted(*args, _original=original, _name=function_name, **kwargs):
+            name = _name + (" (estimate)" if kwargs.get("estimate_only") else "")
+            counts[name] = counts.get(name, 0) + 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, function_name, counted)
+    return counts
+
+
 def _run(method, kernels, dtype, device, shards=None, steps=2, **options):
     model = _model(dtype, device)
     tokens, target = _batch(dtype, device)
@@ -262,22 +284,33 @@ STEP_CASES = [
 @exactness
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("method,options", STEP_CASES, ids=["GRZO-std-wd", "GRZO-none", "MeZO-wd"])
-def test_steps_with_the_kernels_equal_the_torch_path(method, options, dtype, device):
+def test_steps_with_the_kernels_equal_the_torch_path(method, options, dtype, device, launches):
     """Two steps and an estimate of every kind of target (embedding with a padding row,
     norms, Linears with and without bias), blocks of 100 elements that cut rows: the
-    perturbed losses, the weights after each step and the estimates, bit for bit."""
-    _assert_same_runs(_run(method, True, dtype, device, **options), _run(method, False, dtype, device, **options))
+    perturbed losses, the weights after each step and the estimates, bit for bit; the
+    kernel run did launch the kernels (draws, and GRZO's update or MeZO's shifts and update),
+    the torch run none."""
+    fast = _run(method, True, dtype, device, **options)
+    used = dict(launches)
+    launches.clear()
+    oracle = _run(method, False, dtype, device, **options)
+    expected = ({"draw", "grzo_update", "grzo_update (estimate)"} if method == "GRZO"
+                else {"mezo_shift", "mezo_update"})
+    assert expected <= set(used), used
+    assert not launches, launches
+    _assert_same_runs(fast, oracle)
 
 
 @exactness
 @pytest.mark.parametrize("method", ["GRZO", "MeZO"])
-def test_shard_steps_with_the_kernels_equal_the_torch_path(method, device):
+def test_shard_steps_with_the_kernels_equal_the_torch_path(method, device, launches):
     """Parameters declared as tensor-parallel shards draw at the whole's indices; the
-    kernels do too."""
+    kernels do too (and were launched)."""
     shards = {"2.weight": Shard((70, 24), (30, 0)), "4.weight": Shard((19, 99), (0, 41)),
               "1.weight": Shard((50,), (13,)), "0.weight": Shard((40, 30), (2, 5))}
-    _assert_same_runs(_run(method, True, torch.float32, device, shards=shards),
-                      _run(method, False, torch.float32, device, shards=shards))
+    fast = _run(method, True, torch.float32, device, shards=shards)
+    assert launches, "the kernel run launched no kernel"
+    _assert_same_runs(fast, _run(method, False, torch.float32, device, shards=shards))
 
 
 # --- the update kernel on its own -------------------------------------------------------
