@@ -36,6 +36,25 @@ def _divide_kernel(x_ptr, out_ptr, n, c, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, div_by_scalar_rn(x, reciprocal_f64(c)), mask=mask)
 
 
+def _tightest_dividends(c: float) -> np.ndarray:
+    """Dividends whose quotients by c come as close to a float32 rounding boundary as two
+    float32 values allow: |x/c - m| = 2**(k-24) / C (the proof's bound with |N| = 1), from
+    X 2**s - C M = ±1 solved modulo 2**s (C odd), for s = 24 and 25, at several exponents."""
+    C = int(math.frexp(c)[0] * 2**24)
+    if C % 2 == 0:  # N = X 2**s - C M is then even: |N| = 1 cannot occur
+        return np.zeros(0, dtype=np.float32)
+    out = []
+    for s in (24, 25):
+        inverse = pow(C, -1, 2**s)
+        for sign in (1, -1):
+            residue = (-sign * inverse) % 2**s
+            for M in range(residue, 2**25, 2**s):
+                X, remainder = divmod(C * M + sign, 2**s)
+                if M > 2**24 and M % 2 == 1 and remainder == 0 and 2**23 <= X < 2**24:
+                    out += [X * 2.0 ** (a - 23) for a in (-60, -20, 0, 20, 60)]
+    return np.array(out, dtype=np.float32)
+
+
 def _dividends(c: float, count: int, seed: int) -> np.ndarray:
     """Random bit patterns over every exponent whose quotient by c is normal, and the float32
     neighbours of c times quotient midpoints (the dividends whose quotients come closest to a
@@ -48,7 +67,7 @@ def _dividends(c: float, count: int, seed: int) -> np.ndarray:
     near = (midpoints * c).astype(np.float32)
     neighbours = np.concatenate([near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(0))])
     special = np.array([0.0, -0.0, np.inf, -np.inf], dtype=np.float32)
-    x = np.concatenate([random, -random[:100], neighbours, special]).astype(np.float32)
+    x = np.concatenate([random, -random[:100], neighbours, _tightest_dividends(c), special]).astype(np.float32)
     quotient = np.abs(x.astype(np.float64) / c)
     keep = (quotient == 0) | np.isinf(quotient) | ((quotient >= 2.0**-126) & (quotient < 3.0e38))
     return x[keep & (np.abs(x) >= 2.0**-126) | (x == 0) | np.isinf(x)]
