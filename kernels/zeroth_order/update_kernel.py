@@ -45,8 +45,14 @@ def _grzo_update_kernel(w_ptr, out_ptr, weighted_ptr, columns_ptr, scalars_ptr, 
                         MATRIX: tl.constexpr, RECIPROCAL: tl.constexpr, HAS_PADDING: tl.constexpr,
                         WRITE_ESTIMATE: tl.constexpr, STORE_BF16: tl.constexpr, WORK_FP64: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    j = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # CUDA caps grid axis 1 at 65,535 programs and axis 0 at 2**31 - 1: a matrix puts its
+    # row blocks (an embedding's many rows) on axis 0, a vector (one row) its column blocks.
+    if MATRIX:
+        j = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        k = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    else:
+        j = tl.arange(0, BLOCK_R).to(tl.int64)
+        k = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_rows, in_cols = j < rows, k < cols
     mask = in_rows[:, None] & in_cols[None, :]
     work = scalars_ptr.dtype.element_ty
@@ -112,7 +118,7 @@ def grzo_update(target, key: int, weighted: torch.Tensor, columns, batch: int, l
     else:
         rows, cols = 1, target.rows
         layout = dict(row_offset=0, full_cols=1, col_offset=target.row_offset)
-        grid = (1, triton.cdiv(cols, VECTOR_BLOCK))
+        grid = (triton.cdiv(cols, VECTOR_BLOCK), 1)
         blocks = dict(BLOCK_R=1, BLOCK_C=VECTOR_BLOCK)
     if param.numel() == 0:
         return out
