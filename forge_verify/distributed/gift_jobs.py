@@ -331,18 +331,22 @@ def power_of_two_requantization(values_by_rank):
     return out, everyone
 
 
-def hook_on_the_pools_device(seed: int, fmt: str, exchange: str):
-    """The hook with every parameter on the plain route, on the pool's device: CUDA
-    gradients through NCCL (``overlap=False``: the communication thread carries no CUDA
-    stream), or the host's through gloo. [(hook gradient, DDP's own averaged gradient,
-    ``fk.gift.round_trip`` of it)] per parameter, on the host."""
+def hook_on_the_pools_device(seed: int, fmt: str, exchange: str, route: str = "plain"):
+    """The hook on the pool's device: CUDA gradients through NCCL (``overlap=False``: the
+    communication thread carries no CUDA stream), or the host's through gloo. ``route``
+    "plain": every parameter on the plain route; "gift": the first Linear's weight on the
+    GIFT route (its whitening computed from the step's own inputs: the covariance
+    all-reduced, the factors broadcast). [(hook gradient, DDP's own averaged gradient, the
+    codec's round trip of it, through the layer's transform on the GIFT route)] per
+    parameter, on the host."""
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     model = _integer_mlp(seed).to(device)
     twin = copy.deepcopy(model)
     device_ids = [device.index] if on_gpu else None
     hooked = DistributedDataParallel(model, device_ids=device_ids)
-    state = fk.gift.GiftState(None, fmt, 4, 1, layers=(), exchange=exchange, overlap=False)
+    layers = [model[0]] if route == "gift" else ()
+    state = fk.gift.GiftState(None, fmt, 4, 1, layers=layers, exchange=exchange, overlap=False)
     hooked.register_comm_hook(state, fk.gift.gift_hook)
     plain = DistributedDataParallel(twin, device_ids=device_ids)
     g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
@@ -351,8 +355,15 @@ def hook_on_the_pools_device(seed: int, fmt: str, exchange: str):
     for net in (hooked, plain):
         (net(x) * target).sum().backward()
     state.close()
-    return [(a.grad.cpu(), b.grad.cpu(), _flat_round_trip(b.grad, fmt).cpu())
-            for a, b in zip(model.parameters(), twin.parameters())]
+    out = []
+    for i, (a, b) in enumerate(zip(model.parameters(), twin.parameters())):
+        if route == "gift" and i == 0:
+            whitening = state.whitenings[0]
+            expected = whitening.invert(_flat_round_trip(whitening.apply(b.grad), fmt))
+        else:
+            expected = _flat_round_trip(b.grad, fmt)
+        out.append((a.grad.cpu(), b.grad.cpu(), expected.cpu()))
+    return out
 
 
 def _flat_round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:

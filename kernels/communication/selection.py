@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._collectives import wire_device
 from . import e4m3, e5m2
 
 #: the formats whose range a selection can count (NVFP4's block scales have no single range)
@@ -97,7 +98,8 @@ class RangeHitSelection:
 
     def freeze(self, group=None) -> list:
         """All-reduce the counts (SUM over ``group``), select, and return the selected layers."""
-        counts = torch.tensor([self.local_hits, self.local_elements], dtype=torch.int64)
+        device = wire_device(group) if dist.is_initialized() else torch.device("cpu")
+        counts = torch.tensor([self.local_hits, self.local_elements], dtype=torch.int64, device=device)
         if dist.is_initialized():
             dist.all_reduce(counts, group=group)
         hits, elements = counts.tolist()

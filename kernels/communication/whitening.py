@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .._collectives import wire_device
+
 
 @dataclass
 class Whitening:
@@ -115,7 +117,7 @@ class Whitening:
 
     def broadcast(self, src: int = 0, group=None) -> "Whitening":
         """Rank ``src``'s factors on every rank of ``group`` (shapes must agree already)."""
-        rank = torch.tensor([self.rank], dtype=torch.int64)
+        rank = torch.tensor([self.rank], dtype=torch.int64, device=wire_device(group))
         dist.broadcast(rank, src, group=group)
         if int(rank) != self.rank:
             raise ValueError(f"rank {dist.get_rank(group)} holds a rank-{self.rank} transform, rank {src} "
@@ -134,11 +136,12 @@ def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
     when this rank recorded nothing): the ranks' A averaged by an all-reduce (a rank that
     recorded nothing adds zeros), the factors computed on the group's first rank and broadcast. None when
     no rank recorded anything. Returns (whitening, bytes this rank put into collectives)."""
-    recorded = torch.tensor([0 if A is None else 1], dtype=torch.int64)
+    device = wire_device(group)
+    recorded = torch.tensor([0 if A is None else 1], dtype=torch.int64, device=device)
     dist.all_reduce(recorded, group=group)
     if int(recorded) == 0:
         return None, recorded.numel() * 8
-    total = torch.zeros(features, features) if A is None else A.clone()
+    total = torch.zeros(features, features, device=device) if A is None else A.clone()
     dist.all_reduce(total, group=group)
     total /= dist.get_world_size(group)
     whitening = Whitening.from_covariance(total, rank, damping)

@@ -21,6 +21,8 @@ silently step apart, are refused.
 import torch
 import torch.distributed as dist
 
+from .._collectives import wire_device
+
 
 class RankRefusedError(RuntimeError):
     """Another rank of the data-parallel group refused the step; nothing was written."""
@@ -35,18 +37,12 @@ def group_rank(group) -> tuple:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _wire_device(group):
-    """Where a collective's tensors live: the GPU for NCCL, the CPU for gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
-
-
 def agree(group, method: str, batch: int, ok: bool, seed: int, call: int) -> None:
     """Exchange (batch, ok, seed, call) and raise on every rank unless every rank
     succeeded with equal local batches, seeds and counters. A rank whose own forwards
     failed re-raises its own error after this (the caller's job)."""
     _, world = group_rank(group)
-    mine = torch.tensor([batch, int(ok), seed, call], dtype=torch.int64, device=_wire_device(group))
+    mine = torch.tensor([batch, int(ok), seed, call], dtype=torch.int64, device=wire_device(group))
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     table = torch.stack(everyone).cpu()
@@ -69,7 +65,7 @@ def agree(group, method: str, batch: int, ok: bool, seed: int, call: int) -> Non
 def gather_losses(group, plus: torch.Tensor, minus: torch.Tensor) -> tuple:
     """The B losses at +σ and -σ of the whole group, in global example order (float64)."""
     _, world = group_rank(group)
-    mine = torch.stack([plus.to(torch.float64), minus.to(torch.float64)]).to(_wire_device(group))
+    mine = torch.stack([plus.to(torch.float64), minus.to(torch.float64)]).to(wire_device(group))
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     both = torch.cat(everyone, dim=1).to(plus.device)
@@ -80,6 +76,6 @@ def average_losses(group, losses: torch.Tensor) -> torch.Tensor:
     """The mean over ranks of each rank's (float64) losses: summed by one all-reduce,
     then divided by the world size."""
     _, world = group_rank(group)
-    total = losses.to(device=_wire_device(group), dtype=torch.float64, copy=True)
+    total = losses.to(device=wire_device(group), dtype=torch.float64, copy=True)
     dist.all_reduce(total, group=group)
     return (total / world).to(losses.device)
