@@ -12,6 +12,7 @@ a copy with fewer Philox rounds). A diagnostic, not the benchmark table (that is
 import argparse
 import json
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
@@ -48,8 +49,7 @@ def main():
     configs = json.loads(bu.CONFIGS_FILE.read_text())
     for regime, rounding in CASES:
         for t in (int(v) for v in args.tokens.split(",")):
-            key = str(max(int(x) for x in configs[regime] if int(x) <= max(t, 256)))
-            config = tuple(configs[regime][key])
+            config = astuple(bu.tuned_config(configs, regime, t))  # a tuple: other trees build their own
             layer = bu.Layer(n, k, max(t, 1), regime)
             if t == 0:  # the epilogue alone: the token loop runs no iteration
                 layer.x, layer.dy = layer.x[:0], layer.dy[:0]

@@ -25,12 +25,12 @@ def main():
     regime, rounding, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounding = None if rounding == "none" else rounding
     configs = json.loads(bu.CONFIGS_FILE.read_text())
-    config = tuple(configs[regime][str(max(int(x) for x in configs[regime] if int(x) <= max(tokens, 256)))])
+    config = bu.tuned_config(configs, regime, tokens)
     layer = bu.Layer(4096, 4096, max(tokens, 1), regime)
     if tokens == 0:
         layer.x, layer.dy = layer.x[:0], layer.dy[:0]
     r = bu.fk.AdamW(lr=1e-3, weight_decay=0.01)
-    epilogue = _Epilogue(layer.w, layer.fresh_state(r), r, 1, bu.fk.TileConfig(*config), rounding, 0, 1.0, None)
+    epilogue = _Epilogue(layer.w, layer.fresh_state(r), r, 1, config, rounding, 0, 1.0, None)
     for _ in range(4):
         handle = epilogue.fused(layer.x, layer.dy, layer.w)
     torch.cuda.synchronize()

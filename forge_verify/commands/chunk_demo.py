@@ -19,7 +19,6 @@ here) the active chunk's state, what a GPU would hold.
 """
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import forge_kernels as fk
 
 from ..models.tiny_gpt import GPT, GPTConfig
 from .demo import BETAS, EPS, SIZES, WEIGHT_DECAY, _data, _held_out_loss, _schedule, _state_bytes
+from .demo_output import headless_pyplot, write_demo
 
 RUNS = ("chunkft", "adamw")
 #: the demo's "small" model, 40 steps: under a minute on a 2-core CPU
@@ -104,15 +104,11 @@ def run_chunk_demo(steps=DEFAULT_STEPS, chunks=DEFAULT_CHUNKS, out="chunk_demo_o
               "parameters": sum(p.numel() for p in base.parameters()),
               "backend": "Triton interpreter (CPU)" if fk.interpreting() else torch.cuda.get_device_name(),
               "torch": torch.__version__, "runs": runs}
-    (out / "chunk_demo.json").write_text(json.dumps(result, indent=1))
-    _plot(result, out / "chunk_demo_loss.png")
-    return result
+    return write_demo(out, "chunk_demo", result, _plot)
 
 
 def _plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for run, label in (("chunkft", f"ChunkFT AdamW, {result['chunks']} chunks"), ("adamw", "torch.optim.AdamW")):
         losses = result["runs"][run]["losses"]

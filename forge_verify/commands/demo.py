@@ -18,7 +18,6 @@ the tensors.
 """
 
 import copy
-import json
 import math
 import os
 import time
@@ -33,6 +32,7 @@ import forge_kernels as fk
 from ..models import corpus
 from ..models.tiny_gpt import GPT, GPTConfig
 from ..numerics.bits import int_view
+from .demo_output import headless_pyplot, write_demo
 
 
 @dataclass(frozen=True)
@@ -181,15 +181,11 @@ def run_demo(size_name="small", steps=None, out=None, seed=0, device=None) -> di
         "max_weight_difference_fused_vs_torch": _relative_weight_difference(models["fused"], models["torch"]),
         "runs": runs,
     }
-    (out / "demo.json").write_text(json.dumps(result, indent=1))
-    _plot(result, out / "demo_loss.png")
-    return result
+    return write_demo(out, "demo", result, _plot)
 
 
 def _plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    plt = headless_pyplot()
     # Fused and oracle losses are equal bit for bit, so one curve would hide the other: the
     # top panel draws the oracle as markers on the fused line, the bottom one the differences.
     fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))

@@ -19,7 +19,6 @@ and MeZO keep no state; their transient row blocks of U and z are not counted).
 """
 
 import copy
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import forge_kernels as fk
 
 from ..models import corpus
 from ..models.tiny_gpt import GPT, GPTConfig
+from .demo_output import headless_pyplot, write_demo
 
 METHODS = ("GRZO", "MeZO", "AdamW")
 FORWARDS_PER_STEP = {"GRZO": 2, "MeZO": 2, "AdamW": 1}
@@ -167,15 +167,11 @@ def run_zo_demo(config: ZeroOrderDemoConfig, out, device=None) -> dict:
         "held_out_loss_at_start": start_loss,
         "runs": runs,
     }
-    (out / "zo_demo.json").write_text(json.dumps(result, indent=1))
-    _plot(result, out / "zo_demo_loss.png")
-    return result
+    return write_demo(out, "zo_demo", result, _plot)
 
 
 def _plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in METHODS:
         run = result["runs"][method]

@@ -12,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import forge_kernels as fk
 
+from .sharding import device as rank_device
+
 #: bytes of E4M3 codes that are finite (all but 0x7F and 0xFF)
 E4M3_FINITE = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
 
@@ -339,8 +341,8 @@ def hook_on_the_pools_device(seed: int, fmt: str, exchange: str, route: str = "p
     all-reduced, the factors broadcast). [(hook gradient, DDP's own averaged gradient, the
     codec's round trip of it, through the layer's transform on the GIFT route)] per
     parameter, on the host."""
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = rank_device()
+    on_gpu = device.type == "cuda"
     model = _integer_mlp(seed).to(device)
     twin = copy.deepcopy(model)
     device_ids = [device.index] if on_gpu else None

@@ -95,6 +95,8 @@ def reduce_scatter_element_bound(fmt: str, sent_sum: torch.Tensor, sent_abs_sum:
     quantization of Z under the scale agreed from max |Z|. ``scaling`` is the hook's: under
     "power_of_two" that scale is fl(max / amax) rounded down to a power of two, so its
     reciprocal, which multiplies the subnormal step, is up to twice as large (FP8 only)."""
+    if scaling not in ("current", "power_of_two"):
+        raise ValueError(f"unknown scaling {scaling!r}")
     u = U32
     eps = (world + 2) * u * sent_abs_sum.to(torch.float64)
     z = sent_sum.to(torch.float64).abs() + eps          # ≥ |Z|
@@ -106,8 +108,6 @@ def reduce_scatter_element_bound(fmt: str, sent_sum: torch.Tensor, sent_abs_sum:
         inverse_scale = amax / FP8_STEPS[fmt][2] * (1 + u) / (1 - u)  # ≥ 1 / fl(max / amax)
         if scaling == "power_of_two":
             inverse_scale *= 2  # the power of two at or below fl(max / amax) is more than half of it
-        elif scaling != "current":
-            raise ValueError(f"unknown scaling {scaling!r}")
         return (eps + rho * z + tau_s * inverse_scale) * (1 + 2.0 ** -30)
     if fmt != "nvfp4":
         raise ValueError(f"unknown wire format {fmt!r}")
