@@ -79,3 +79,22 @@ def test_shards_are_whole_units_and_cover_every_tensor_once(fmt, world):
         assert [start for start, _ in spans] == [0] + [stop for _, stop in spans[:-1]]  # contiguous
         units = -(-numel // codec.unit)
         assert units <= layout.shard_units[t] * world < units + world
+
+
+@pytest.mark.parametrize("numel", [0, 37])
+@pytest.mark.parametrize("key", ["e4m3-current", "e5m2-current", "nvfp4-current", "fp32-current"])
+def test_codec_amax_lives_on_the_gradients_device(key, numel, monkeypatch):
+    """The hook stacks every tensor's amax with a flag made on the gradients' device and
+    all-reduces the stack, so each codec's amax must be on that device too, also for an
+    empty tensor and for the identity codec (on CUDA a host amax made ``torch.stack``
+    fail: seen on the H200). The meta device stands in for CUDA on a CPU machine; it holds
+    no values, so the finiteness checks (which read one, and have their own tests) are
+    stood down here."""
+    from forge_kernels.communication import nvfp4
+    from forge_kernels.communication._fp8 import PerTensorFP8
+    from forge_kernels.communication.codecs import CODECS
+
+    monkeypatch.setattr(PerTensorFP8, "refuse_non_finite", lambda self, x: None)
+    monkeypatch.setattr(nvfp4, "_check", lambda x: None)
+    fmt, scaling = key.split("-")
+    assert CODECS[fmt, scaling].amax(torch.empty(numel, device="meta")).device.type == "meta"

@@ -53,7 +53,7 @@ class PerTensorFP8:
     def tensor_amax(self, x: torch.Tensor) -> torch.Tensor:
         """max |x| in fp32 (0-d); refuses non-finite input."""
         self.refuse_non_finite(x)
-        return x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)
+        return x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
     def scale_for(self, amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
         """``format_max / amax`` in fp32; 1 for amax 0 (an all-zero tensor encodes to zeros).

@@ -82,7 +82,7 @@ class _NVFP4Codec:
         blocks = -(-numel // nvfp4.BLOCK)
         codes = payload[:blocks * nvfp4.BLOCK // 2].reshape(blocks, nvfp4.BLOCK // 2)
         scales = payload[blocks * nvfp4.BLOCK // 2:].reshape(blocks, 1)
-        products = nvfp4.block_products(nvfp4.QuantizedNVFP4(codes, scales, torch.zeros(())))
+        products = nvfp4.block_products(nvfp4.QuantizedNVFP4(codes, scales, torch.zeros((), device=codes.device)))
         return products.reshape(-1)[:numel]
 
     def unscale(self, total, s_dec):
@@ -100,13 +100,14 @@ class _NVFP4Codec:
 
     def unit_values(self, rows):
         """(blocks, 16) products ``q · s_b``."""
-        q = nvfp4.QuantizedNVFP4(rows[:, :nvfp4.BLOCK // 2], rows[:, nvfp4.BLOCK // 2:], torch.zeros(()))
+        q = nvfp4.QuantizedNVFP4(rows[:, :nvfp4.BLOCK // 2], rows[:, nvfp4.BLOCK // 2:],
+                                 torch.zeros((), device=rows.device))
         return nvfp4.block_products(q).reshape(rows.shape[0], nvfp4.BLOCK)
 
 
 class _IdentityCodec:
     def amax(self, y):
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=y.device)
 
     def encode(self, y, amax):
         y = y.to(torch.float32).contiguous()

@@ -56,7 +56,7 @@ def _check(x: torch.Tensor) -> None:
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     _check(x)
-    return x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)
+    return x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
 
 def tensor_scales(amax: torch.Tensor):
