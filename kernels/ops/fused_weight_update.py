@@ -116,6 +116,9 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     multiply ``clip_grad_norm_`` applies to a materialized gradient. A scale of 1.0
     changes no bit, so unclipped steps are unaffected.
     """
+    # The input check's verdict, read first: its latency then overlaps the loads and the rule
+    # instead of following the tile's reduction.
+    inputs_ok = (tl.load(status_ptr) == 0) & (tl.load(status_ptr + 1) == 0)
     g = g * grad_scale
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = mask_n[:, None] & (offs_k < K)[None, :]
@@ -148,7 +151,6 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     finite = finite & _slot_is_storable(s1.to(tl.float32), S_Q8)
     finite = finite & _slot_is_storable(s2.to(tl.float32), S_Q8)
     num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
-    inputs_ok = (tl.load(status_ptr) == 0) & (tl.load(status_ptr + 1) == 0)
     tile_ok = ((num_bad == 0) & inputs_ok).to(tl.int32)
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
     keep = mask & ((idx * 0 + tile_ok) != 0)
