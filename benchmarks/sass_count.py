@@ -24,6 +24,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (also when a parent process interprets)
 
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -91,14 +92,26 @@ def ptxas_usage(ptx: str, maxnreg) -> tuple:
     return int(registers[0]) if registers else None, int(spills[0]) if spills else None
 
 
-def instruction_mix(sass: str) -> collections.Counter:
-    """Opcode counts of nvdisasm's listing (one tab-separated instruction per line)."""
+def sass_listing(cubin: bytes) -> list:
+    """The kernel's instructions, one string each, from ``cuobjdump -sass``. Not Triton's
+    ``asm["sass"]``: its parser matches four-digit addresses and so stops at the 4,096th
+    instruction (our bf16 and q8 kernels are longer)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.+?)\s*;", text)
+
+
+def instruction_mix(instructions: list) -> collections.Counter:
+    """Opcode counts, predicates and modifiers dropped (``@!P0 IMAD.WIDE.U32`` is ``IMAD``)."""
     mix = collections.Counter()
-    for line in sass.splitlines():
-        if "\t" not in line or line.startswith("Function"):
-            continue
-        text = re.sub(r"^@!?U?P\w+\s+", "", line.split("\t", 1)[1].strip())
-        mix[text.split()[0].split(".")[0].rstrip(";")] += 1
+    for text in instructions:
+        text = re.sub(r"^@!?U?P\w+\s+", "", text.strip())
+        mix[text.split()[0].split(".")[0]] += 1
     return mix
 
 
@@ -116,12 +129,15 @@ def main():
         for config in configs:
             compiled, maxnreg = compile_sm90(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)
-            mix = instruction_mix(compiled.asm["sass"])
+            mix = instruction_mix(sass_listing(compiled.asm["cubin"]))
+            # Each layout conversion goes through shared memory, between barriers.
+            conversions = compiled.asm["ttgir"].count("ttg.convert_layout")
             total = sum(mix.values())
             per_element = total * config[3] * 32 / (config[0] * config[1])
             top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
             print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
-                  f"({per_element:.0f} per element per thread-lane) | {top}", flush=True)
+                  f"({per_element:.0f} per element per thread-lane) layout conversions {conversions} "
+                  f"barriers {mix['BAR']} | {top}", flush=True)
 
 
 if __name__ == "__main__":
