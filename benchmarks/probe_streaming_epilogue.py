@@ -33,7 +33,7 @@ from forge_kernels.ops.fused_weight_update import _Epilogue, _tile_epilogue  # n
 # (block_n, block_k, num_warps, epilogue_split, maxnreg): 1-16 elements per thread,
 # 2-8 warps, with and without a register cap.
 SWEEP = [(16, 128, 4, 1, None), (32, 128, 4, 1, None), (32, 128, 8, 1, None), (64, 64, 4, 1, None),
-         (64, 128, 8, 1, None), (64, 128, 8, 2, None), (16, 256, 4, 1, None), (8, 256, 2, 1, None),
+         (64, 128, 8, 1, None), (64, 128, 8, 2, None), (16, 256, 4, 1, None), (16, 128, 4, 2, None),
          (32, 64, 2, 1, None), (32, 128, 4, 1, 64), (64, 128, 8, 2, 128), (16, 128, 2, 1, None)]
 
 
