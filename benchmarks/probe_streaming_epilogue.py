@@ -30,7 +30,7 @@ import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_ker
 fk = bu.fk
 from forge_kernels.ops.fused_weight_update import _Epilogue, _tile_epilogue  # noqa: E402
 
-# (block_n, block_k, num_warps, epilogue_split, maxnreg): 1-16 elements per thread,
+# (block_n, block_k, num_warps, epilogue_split, maxnreg): 8 to 32 elements per thread per slice,
 # 2-8 warps, with and without a register cap.
 SWEEP = [(16, 128, 4, 1, None), (32, 128, 4, 1, None), (32, 128, 8, 1, None), (64, 64, 4, 1, None),
          (64, 128, 8, 1, None), (64, 128, 8, 2, None), (16, 256, 4, 1, None), (16, 128, 4, 2, None),
