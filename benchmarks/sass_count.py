@@ -93,9 +93,10 @@ def ptxas_usage(ptx: str, maxnreg) -> tuple:
 
 
 def sass_listing(cubin: bytes) -> list:
-    """The kernel's instructions, one string each, from ``cuobjdump -sass``. Not Triton's
-    ``asm["sass"]``: its parser matches four-digit addresses and so stops at the 4,096th
-    instruction (our bf16 and q8 kernels are longer)."""
+    """The kernel's instructions, one string each, from ``cuobjdump -sass`` (trailing
+    padding included). Not Triton's ``asm["sass"]``: triton 3.6's parser matches
+    four-digit addresses and so stops at the 4,096th instruction (our bf16 and q8 kernels
+    are longer)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -130,7 +131,7 @@ def main():
             compiled, maxnreg = compile_sm90(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)
             mix = instruction_mix(sass_listing(compiled.asm["cubin"]))
-            # Each layout conversion goes through shared memory, between barriers.
+            # A layout conversion between threads goes through shared memory, between barriers.
             conversions = compiled.asm["ttgir"].count("ttg.convert_layout")
             total = sum(mix.values())
             per_element = total * config[3] * 32 / (config[0] * config[1])
