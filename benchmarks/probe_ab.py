@@ -8,6 +8,7 @@ checked fused == oracle bitwise in this tree first. A diagnostic for one kernel 
 """
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -57,8 +58,7 @@ def main():
                 if args.configs:
                     candidates = [bu.ast.literal_eval(c) for c in args.configs.split(";")]
                 else:
-                    candidates = [tuple(configs_file[regime][str(max(int(key) for key in configs_file[regime]
-                                                                     if int(key) <= t))])]
+                    candidates = [dataclasses.astuple(bu.tuned_config(configs_file, regime, t))]
                 for candidate in candidates:
                     config = fk.TileConfig(*candidate)
                     bu.check_fused_equals_oracle(n, k, 512, regime, config)

@@ -144,14 +144,26 @@ def gift_training_digests(seed: int, fmt: str, steps: int, refresh_every: int):
     return state.digests, parameter_digests
 
 
+def _ledger_state(layer, exchange: str):
+    """The ledgers' hook state: E4M3 with power-of-two scales and no damping, so that
+    with power-of-two transforms and dyadic gradients every step is exact in float64;
+    no automatic refresh (the ledgers refresh by hand)."""
+    return fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
+                             exchange=exchange)
+
+
+def _dyadic_gradient(g: torch.Generator) -> torch.Tensor:
+    """An (8, 16) gradient of multiples of 2**-6 in [-1, 1]."""
+    return torch.randint(-64, 65, (8, 16), generator=g).float() * 2.0 ** -6
+
+
 def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
     """Error feedback across refreshes with power-of-two transforms (rank 0 on 4**(k-2)·I,
     from inputs 2**k·I) and power-of-two scales, dyadic gradients: (Σ sent + residual,
     Σ input) in real coordinates as float64, and the σ of each transform used."""
     rank = dist.get_rank()
     layer = nn.Linear(16, 8, bias=False)
-    state = fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
-                              exchange="all_gather")  # the per-rank ledger: no shard residual folds in
+    state = _ledger_state(layer, "all_gather")  # the per-rank ledger: no shard residual folds in
     key = id(layer.weight)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     sent = torch.zeros(8, 16, dtype=torch.float64)
@@ -162,7 +174,7 @@ def error_feedback_ledger(seed: int, steps: int, refreshes: dict):
             layer(2.0 ** refreshes[t] * torch.eye(16))
             state.refresh(0)
         whitening = state.whitenings[0]
-        G = torch.randint(-64, 65, (8, 16), generator=g).float() * 2.0 ** -6
+        G = _dyadic_gradient(g)
         state.exchange([(key, G, whitening)])
         sent += whitening.invert(state.last_sent[key]).double()
         given += G.double()
@@ -257,11 +269,7 @@ def reduce_scatter_ledger(seed: int, steps: int, refreshes: dict, switch_at: int
     loaded into an all-gather hook, which goes on from there."""
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = nn.Linear(16, 8, bias=False)
-
-    def hook_state(exchange):
-        return fk.gift.GiftState(None, "e4m3", 0, 10**9, layers=[layer], damping=0.0, scaling="power_of_two",
-                                 exchange=exchange)
-    state = hook_state("reduce_scatter")
+    state = _ledger_state(layer, "reduce_scatter")
     key = id(layer.weight)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     out_total = torch.zeros(8, 16, dtype=torch.float64)
@@ -270,13 +278,13 @@ def reduce_scatter_ledger(seed: int, steps: int, refreshes: dict, switch_at: int
     for t in range(steps):
         if t == switch_at:
             saved = state.state_dict([layer.weight])
-            state = hook_state("all_gather")
+            state = _ledger_state(layer, "all_gather")
             state.load_state_dict(saved, [layer.weight])
         if t in refreshes:
             held.append(bool(key in state.shard_residuals and state.shard_residuals[key][2].abs().max() > 0))
             layer(2.0 ** refreshes[t] * torch.eye(16))
             state.refresh(0)
-        G = torch.randint(-64, 65, (8, 16), generator=g).float() * 2.0 ** -6
+        G = _dyadic_gradient(g)
         out_total += world * state.exchange([(key, G, state.whitenings[0])])[0].double()
         given += G.double()
     residual = state.residuals[key].clone()
