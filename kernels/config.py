@@ -10,13 +10,23 @@ from dataclasses import dataclass
 from typing import Optional
 
 _TILE_SIZES = (16, 32, 64, 128, 256)
+KERNELS = ("portable", "hopper")
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """One (BLOCK_N x BLOCK_K) tile of dW per program, tokens consumed BLOCK_T at a time;
     the rule's epilogue runs on ``epilogue_split`` column slices of the tile in turn (the
-    unit in which a non-finite result is skipped and reported)."""
+    unit in which a non-finite result is skipped and reported).
+
+    ``kernel`` picks the fused kernel: ``"portable"``, the Triton kernel that runs on any
+    GPU and in the interpreter (the reference), or ``"hopper"``, the persistent
+    warp-specialized kernel for sm_90 GPUs (``ops/hopper_update.py``), which computes
+    the portable kernel's function bit for bit at the same (block_n, block_k, block_t).
+    A hopper config has 64-row tiles of 32 or 64 columns, one warpgroup (``num_warps``
+    4) per consumer, ``num_stages`` 2-4 buffers of its token loop, no register cap and no
+    epilogue split; its oracle (``oracle=True``) and ``apply_rule`` run the portable
+    kernels with the same tile."""
 
     block_n: int = 64
     block_k: int = 64
@@ -25,6 +35,7 @@ class TileConfig:
     num_stages: int = 2
     maxnreg: Optional[int] = None
     epilogue_split: int = 1
+    kernel: str = "portable"
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t"):
@@ -43,6 +54,24 @@ class TileConfig:
                 self.block_k // self.epilogue_split < _TILE_SIZES[0]:
             raise ValueError(f"TileConfig.epilogue_split={self.epilogue_split!r}: must be 1, 2 or 4, leaving "
                              f"column slices of at least {_TILE_SIZES[0]} (block_k={self.block_k})")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"TileConfig.kernel={self.kernel!r}: must be one of {KERNELS}")
+        if self.kernel == "hopper":
+            self._check_hopper()
+
+    def _check_hopper(self):
+        """The shapes the Hopper kernel is built for: a 64-row wgmma tile per consumer
+        warpgroup, its weight and state staged whole in shared memory."""
+        wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
+            ("block_n", "64", self.block_n == 64),
+            ("block_k", "32 or 64", self.block_k in (32, 64)),
+            ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
+            ("num_warps", "4", self.num_warps == 4),
+            ("num_stages", "2, 3 or 4", self.num_stages in (2, 3, 4)),
+            ("maxnreg", "None", self.maxnreg is None),
+            ("epilogue_split", "1", self.epilogue_split == 1)) if not ok]
+        if wrong:
+            raise ValueError("TileConfig(kernel='hopper'): " + "; ".join(wrong))
 
     def launch_options(self) -> dict:
         """Keyword options for launching a kernel with this config.

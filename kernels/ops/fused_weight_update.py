@@ -18,6 +18,7 @@ from ..rules.base import NUM_SCALARS, NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
+from .hopper_support import check_hopper_launch
 from .stochastic_round import check_seed, paired_words, rn_bf16, sr_bf16_with, stream_seed
 from .step_scalars import StepScalars
 from .update_report import UpdateReport
@@ -356,6 +357,7 @@ class _Epilogue:
             # Pairs of columns share a Philox call; a slice at an odd column splits them.
             ALIGNED_PAIRS=self.place[1] % 2 == 0, DEVICE_SCALARS=isinstance(step, StepScalars),
             NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
+        self.state_format = state_format
         self.shape = tuple(weight.shape)
         N, K = self.shape
         self.blocks_per_row = triton.cdiv(K, q8.BLOCK)
@@ -373,12 +375,20 @@ class _Epilogue:
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       SPLIT=self.config.epilogue_split, **self.config.launch_options())
 
+    def check_fused(self, x, dy, weight):
+        """Refuse, before anything is launched, a fused call its config's kernel cannot run."""
+        if self.config.kernel == "hopper":
+            check_hopper_launch(x, dy, weight, self.slot_tensors, self.state_format)
+
     def fused(self, x, dy, weight):
         """Launch the fused kernel; returns Triton's handle of the compiled kernel (its
         register and spill counts are what the benchmark's sweep records)."""
         T, K = x.shape
         N = self.shape[0]
         config = self.config
+        if config.kernel == "hopper":
+            from . import hopper_update  # Gluon: imported only where it runs
+            return hopper_update.launch(self, x, dy, weight)
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
@@ -425,7 +435,10 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     report then reads the latest replay's outcome when checked). Either form gives the
     same bits at the same step. ``oracle=True`` materializes dW with the
     same tile loop and applies the same epilogue in a second kernel (the exactness
-    reference). ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``.
+    reference). ``config`` is a :class:`TileConfig`; ``None`` means ``PINNED``; a config
+    with ``kernel="hopper"`` runs the fused step as the Hopper kernel (sm_90 GPUs, bf16
+    activations, fp32 or bf16 state; the same bits as the portable kernel at the same tile)
+    and its oracle as the portable kernels.
     ``grad_scale`` (a float32 value) multiplies the gradient before the rule, as
     ``clip_grad_norm_``'s clip coefficient multiplies a materialized gradient.
 
@@ -444,6 +457,8 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     check_update_inputs(x, dy, weight, state, rule)
     captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
+    if not oracle:
+        epilogue.check_fused(x, dy, weight)
     with on_device(weight.device), quiet_non_finite():
         if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
             launch_finite_check(epilogue.status, x, dy)

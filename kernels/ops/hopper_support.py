@@ -1,0 +1,50 @@
+"""What the Hopper kernel (``TileConfig(kernel="hopper")``, ``hopper_update``) needs, checked
+before anything is launched: every refusal says what was wrong and what runs instead.
+
+Kept apart from ``hopper_update`` so that it imports without Gluon (the CPU tier checks
+these refusals in the interpreter, where the Hopper kernel itself cannot run).
+"""
+
+import torch
+
+from .._backend import interpreting
+
+# TMA copies rows of whole 16-byte units from 16-byte aligned addresses.
+TMA_ALIGNMENT = 16
+
+
+def _check_tma_rows(name, t):
+    row_bytes = t.stride(0) * t.element_size()
+    if t.stride(1) != 1 or row_bytes % TMA_ALIGNMENT or t.data_ptr() % TMA_ALIGNMENT:
+        raise ValueError(f"the hopper kernel reads {name} by TMA, which needs unit column stride, rows a multiple of "
+                         f"{TMA_ALIGNMENT} bytes apart and a {TMA_ALIGNMENT}-byte aligned start; {name} has strides "
+                         f"{tuple(t.stride())} ({t.element_size()}-byte elements) and starts at byte "
+                         f"{t.data_ptr() % TMA_ALIGNMENT} of 16 (make it contiguous with a suitable width, or use "
+                         "the portable kernel)")
+
+
+def check_hopper_launch(x, dy, weight, slot_tensors, state_format):
+    """Refuse a hopper-config launch the kernel cannot run as asked."""
+    if interpreting() or weight.device.type != "cuda":
+        raise RuntimeError("TileConfig(kernel='hopper') runs on an NVIDIA Hopper GPU (compute capability 9.x); "
+                           "the Triton interpreter runs the portable kernel only: use kernel='portable' here")
+    major, minor = torch.cuda.get_device_capability(weight.device)
+    if major != 9:
+        raise RuntimeError(f"TileConfig(kernel='hopper') needs compute capability 9.x (Hopper); {weight.device} is "
+                           f"{major}.{minor}: use kernel='portable'")
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError(f"TileConfig(kernel='hopper') is written in Triton's Gluon, which this Triton lacks "
+                           f"({error}); use kernel='portable'") from error
+    if state_format == "q8":
+        raise ValueError("the hopper kernel keeps fp32 or bf16 state; q8 state runs on the portable kernel")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the hopper kernel multiplies bf16 activations on wgmma; x and dy are {x.dtype} "
+                        "(float32 activations run on the portable kernel, with full-precision products)")
+    for name, t in (("x", x), ("dy", dy), ("weight", weight)):
+        if t.numel():
+            _check_tma_rows(name, t)
+    for i, t in enumerate(slot_tensors):
+        if t is not weight:
+            _check_tma_rows(f"state slot {i}", t)

@@ -1,0 +1,328 @@
+"""The fused update on Hopper (sm_90): the portable kernel's function, bit for bit, as a
+persistent, warp-specialized Gluon kernel (``TileConfig(kernel="hopper")``).
+
+The portable kernel (``fused_weight_update``) runs each tile's token loop and then its
+epilogue in the same warps, so the tensor cores idle during the epilogue and HBM during
+the loop, and its weight and state loads wait in registers. Here one program per
+multiprocessor holds two consumer warpgroups that take alternate tiles (ping-pong: while
+one runs its epilogue, the other runs its token loop on wgmma), each fed by its own TMA
+warp, which copies the consumer's next dy and x blocks into a ring and the next tile's
+weight and state into shared memory while the consumer still works on the previous one.
+The epilogue then reads its operands from shared memory and writes the results with
+plain stores.
+
+Same function, same bits: the token loop is the same wgmma instructions over the same
+``block_t``-token blocks in the same order as the portable kernel's ``tl.dot`` (bf16
+operands, fp32 accumulator); the epilogue calls the same rule, rounding and verdict code
+(``RULE``, ``_to_storage``, ``is_finite``) with the same Philox words (``_words`` is the
+portable ``paired_words``). Measured on an H200, fused == portable for every rule, regime
+and shape in ``tests/test_hopper_update.py``. Written against triton 3.6's Gluon; this
+module is imported only when a hopper config is launched on a GPU.
+"""
+
+import functools
+
+import torch
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.errors import OutOfResources
+
+from .finite_check import BAD_TILES, is_finite
+from .fused_weight_update import _device_scalars, _to_storage
+
+_BAD_TILES = gl.constexpr(BAD_TILES)
+# Registers per thread of the second consumer warpgroup (the first takes what is left,
+# the TMA warps 24 each): enough for a 64x64 fp32 AdamW epilogue without spills.
+CONSUMER_REGISTERS = gl.constexpr(232)
+
+
+@gluon.constexpr_function
+def _epilogue_layout(block_k):
+    """Row-major, four consecutive columns per thread, one warpgroup."""
+    across = min(16, block_k // 4)
+    return gl.BlockedLayout([1, 4], [32 // across, across], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _pair_layout(block_k):
+    """``_epilogue_layout`` over column pairs: a pair joined with itself is ``_epilogue_layout``."""
+    across = min(16, block_k // 4)
+    return gl.BlockedLayout([1, 2], [32 // across, across], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _words(seed, row0, col0, global_k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, ALIGNED: gl.constexpr):
+    """The portable ``paired_words`` for the tile whose first element sits at global
+    (row0, col0): one Philox call per pair of neighbouring columns, the even column taking
+    each word's low 16 bits and the odd one the high 16; an odd ``col0`` draws per element."""
+    epi: gl.constexpr = _epilogue_layout(BLOCK_K)
+    pairs_per_row = (global_k + 1) // 2
+    if ALIGNED:
+        pair: gl.constexpr = _pair_layout(BLOCK_K)
+        rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pair))
+        pairs = col0 // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pair))
+        counter = (rows.to(gl.int64)[:, None] * pairs_per_row + pairs[None, :]).to(gl.uint32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        w0 = gl.convert_layout(gl.reshape(gl.join(r0, r0 >> 16), [BLOCK_N, BLOCK_K]), epi)
+        w1 = gl.convert_layout(gl.reshape(gl.join(r1, r1 >> 16), [BLOCK_N, BLOCK_K]), epi)
+        w2 = gl.convert_layout(gl.reshape(gl.join(r2, r2 >> 16), [BLOCK_N, BLOCK_K]), epi)
+        w3 = gl.convert_layout(gl.reshape(gl.join(r3, r3 >> 16), [BLOCK_N, BLOCK_K]), epi)
+    else:
+        rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
+        cols = col0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, epi))
+        counter = (rows.to(gl.int64)[:, None] * pairs_per_row + (cols // 2)[None, :]).to(gl.uint32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        shift = ((cols % 2) * 16).to(gl.uint32)[None, :]
+        w0 = r0 >> shift
+        w1 = r1 >> shift
+        w2 = r2 >> shift
+        w3 = r3 >> shift
+    return w0, w1, w2, w3
+
+
+@gluon.jit
+def _slot(smem, zeros, HAS: gl.constexpr, layout: gl.constexpr):
+    """A slot's tile in fp32, or zeros for a slot the rule lacks (as the portable kernel)."""
+    value = zeros
+    if HAS:
+        value = smem.load(layout).to(gl.float32)
+    return value
+
+
+@gluon.jit
+def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, ready, free,
+            w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, T, N, K,
+            HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr, C: gl.constexpr):
+    """Consumer C's TMA warp: for each of its tiles, the weight and state tile (once the
+    consumer has read the previous one), then the tile's dy and x blocks into its ring."""
+    BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    STAGES: gl.constexpr = dy_bufs.shape[0]
+    BLOCK_BYTES: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
+    EPI_BYTES: gl.constexpr = (w_desc.block_type.nbytes + HAS_S0 * s0_desc.block_type.nbytes
+                               + HAS_S1 * s1_desc.block_type.nbytes + HAS_S2 * s2_desc.block_type.nbytes)
+    tiles_k = gl.cdiv(K, BLOCK_K)
+    num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
+    num_t = gl.cdiv(T, BLOCK_T)
+    programs = gl.num_programs(0)
+    counter = 0
+    visit = 0
+    for tile in range(gl.program_id(0) + C * programs, num_tiles, 2 * programs):
+        off_n = (tile // tiles_k) * BLOCK_N
+        off_k = (tile % tiles_k) * BLOCK_K
+        # A fresh barrier counts as released once: waiting on the other parity passes.
+        mbarrier.wait(epi_free, (visit & 1) ^ 1)
+        mbarrier.expect(epi_ready, EPI_BYTES)
+        tma.async_copy_global_to_shared(w_desc, [off_n, off_k], epi_ready, w_smem)
+        if HAS_S0:
+            tma.async_copy_global_to_shared(s0_desc, [off_n, off_k], epi_ready, s0_smem)
+        if HAS_S1:
+            tma.async_copy_global_to_shared(s1_desc, [off_n, off_k], epi_ready, s1_smem)
+        if HAS_S2:
+            tma.async_copy_global_to_shared(s2_desc, [off_n, off_k], epi_ready, s2_smem)
+        visit += 1
+        for i in range(num_t):
+            stage = counter % STAGES
+            mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), BLOCK_BYTES)
+            tma.async_copy_global_to_shared(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
+            tma.async_copy_global_to_shared(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
+            counter += 1
+
+
+@gluon.jit
+def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bufs, ready, free,
+              w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, T, N, K, row0, col0, global_k, grad_scale,
+              h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+              RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+              HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
+              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, C: gl.constexpr):
+    """One warpgroup: every other tile of this program, its token loop on wgmma, then the
+    portable epilogue's arithmetic on it, while the other warpgroup runs its own tile."""
+    BLOCK_T: gl.constexpr = x_bufs.shape[1]
+    BLOCK_N: gl.constexpr = dy_bufs.shape[2]
+    BLOCK_K: gl.constexpr = x_bufs.shape[2]
+    STAGES: gl.constexpr = dy_bufs.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
+    epi: gl.constexpr = _epilogue_layout(BLOCK_K)
+    tiles_k = gl.cdiv(K, BLOCK_K)
+    num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
+    num_t = gl.cdiv(T, BLOCK_T)
+    programs = gl.num_programs(0)
+    if DEVICE_SCALARS:
+        h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
+    # The input check's verdict (launched before, on the same stream): no tile stores when it counted anything.
+    inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
+    counter = 0
+    visit = 0
+    for tile in range(gl.program_id(0) + C * programs, num_tiles, 2 * programs):
+        off_n = (tile // tiles_k) * BLOCK_N
+        off_k = (tile % tiles_k) * BLOCK_K
+        acc = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.float32, layout=mma)
+        for i in range(num_t):
+            stage = counter % STAGES
+            mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+            dy_t = dy_bufs.index(stage).permute((1, 0))
+            acc = warpgroup_mma(dy_t, x_bufs.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(stage))
+            counter += 1
+        g = gl.convert_layout(acc, epi) * grad_scale
+        mbarrier.wait(epi_ready, visit & 1)
+        w = w_smem.load(epi).to(gl.float32)
+        zeros = gl.zeros_like(w)
+        s0 = _slot(s0_smem, zeros, HAS_S0, epi)
+        s1 = _slot(s1_smem, zeros, HAS_S1, epi)
+        s2 = _slot(s2_smem, zeros, HAS_S2, epi)
+        gl.thread_barrier()  # every warp of the group has read the tile before the loader reuses it
+        mbarrier.arrive(epi_free)
+        visit += 1
+        w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
+        r0 = zeros.to(gl.uint32, bitcast=True)  # placeholders: nearest rounding and fp32 stores draw nothing
+        r1 = r0
+        r2 = r0
+        r3 = r0
+        if STOCHASTIC and (W_BF16 or S_BF16):
+            r0, r1, r2, r3 = _words(seed, off_n + row0, off_k + col0, global_k, BLOCK_N, BLOCK_K, ALIGNED)
+        w = _to_storage(w, r0, W_BF16, STOCHASTIC)
+        finite = is_finite(g) & is_finite(w.to(gl.float32))
+        # A slot the rule lacks comes back as the zeros it was given (every rule returns it
+        # unchanged), finite: skipping it here changes no verdict the portable kernel reaches.
+        if HAS_S0:
+            s0 = _to_storage(s0, r1, S_BF16, STOCHASTIC)
+            finite = finite & is_finite(s0.to(gl.float32))
+        if HAS_S1:
+            s1 = _to_storage(s1, r2, S_BF16, STOCHASTIC)
+            finite = finite & is_finite(s1.to(gl.float32))
+        if HAS_S2:
+            s2 = _to_storage(s2, r3, S_BF16, STOCHASTIC)
+            finite = finite & is_finite(s2.to(gl.float32))
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
+        cols = off_k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, epi))
+        inside = (rows < N)[:, None] & (cols < K)[None, :]
+        num_bad = gl.sum(gl.sum(gl.where(inside & ~finite, 1, 0), axis=1), axis=0)
+        idx = rows[:, None] * K + cols[None, :]
+        keep = inside & ((idx * 0 + ((num_bad == 0) & inputs_ok).to(gl.int32)) != 0)
+        gl.store(w_ptr + idx, w, mask=keep)
+        if HAS_S0:
+            gl.store(s0_ptr + idx, s0, mask=keep)
+        if HAS_S1:
+            gl.store(s1_ptr + idx, s1, mask=keep)
+        if HAS_S2:
+            gl.store(s2_ptr + idx, s2, mask=keep)
+        gl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
+        gl.store(flag_ptr + tile, num_bad)
+
+
+@gluon.jit
+def _epilogue_buffer(desc, weight_smem, HAS: gl.constexpr):
+    """A slot's shared-memory tile, or the weight's (never touched) for a slot the rule lacks."""
+    if HAS:
+        buffer = gl.allocate_shared_memory(desc.dtype, desc.block_type.shape, desc.layout)
+    else:
+        buffer = weight_smem
+    return buffer
+
+
+@gluon.jit
+def _consumer_buffers(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, HAS_S0: gl.constexpr,
+                      HAS_S1: gl.constexpr, HAS_S2: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One consumer's shared memory: its ring of dy and x blocks with their barriers, and its
+    weight and state tiles with theirs (filled: ``epi_ready``; read: ``epi_free``)."""
+    dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, w_desc.block_type.shape, w_desc.layout)
+    s0_smem = _epilogue_buffer(s0_desc, w_smem, HAS_S0)
+    s1_smem = _epilogue_buffer(s1_desc, w_smem, HAS_S1)
+    s2_smem = _epilogue_buffer(s2_desc, w_smem, HAS_S2)
+    epi_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(epi_bars.index(0), count=1)
+    mbarrier.init(epi_bars.index(1), count=1)
+    return dy_bufs, x_bufs, ready, free, w_smem, s0_smem, s1_smem, s2_smem, epi_bars.index(0), epi_bars.index(1)
+
+
+@gluon.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
+def _hopper_update_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr,
+                          flag_ptr, status_ptr, T, N, K, row0, col0, global_k, grad_scale,
+                          h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                          RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+                          HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
+                          STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
+                          NUM_STAGES: gl.constexpr):
+    """Persistent: two consumer warpgroups (the default partition is consumer 0) take
+    alternate tiles of this program's share, each fed by its own TMA warp."""
+    dy0, x0, ready0, free0, w0, a0, b0, c0, filled0, read0 = _consumer_buffers(
+        dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, HAS_S0, HAS_S1, HAS_S2, NUM_STAGES)
+    dy1, x1, ready1, free1, w1, a1, b1, c1, filled1, read1 = _consumer_buffers(
+        dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, HAS_S0, HAS_S1, HAS_S2, NUM_STAGES)
+    gl.warp_specialize([
+        (_consumer, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy0, x0, ready0, free0, w0, a0, b0, c0,
+                     filled0, read0, T, N, K, row0, col0, global_k,
+                     grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, RULE, VARIANT,
+                     HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS, 0)),
+        (_consumer, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy1, x1, ready1, free1, w1, a1, b1, c1,
+                     filled1, read1, T, N, K, row0, col0, global_k,
+                     grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, RULE, VARIANT,
+                     HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS, 1)),
+        (_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy0, x0, ready0, free0, w0, a0, b0, c0,
+                   filled0, read0, T, N, K, HAS_S0, HAS_S1, HAS_S2, 0)),
+        (_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy1, x1, ready1, free1, w1, a1, b1, c1,
+                   filled1, read1, T, N, K, HAS_S0, HAS_S1, HAS_S2, 1)),
+    ], [4, 1, 1], [CONSUMER_REGISTERS, 24, 24])
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _operand_descriptor(t, block):
+    """dy and x blocks: the swizzled layout wgmma reads."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float32
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def _tile_descriptor(t, block):
+    """Weight and state tiles: unswizzled, read row by row by the epilogue."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=2)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def launch(epilogue, x, dy, weight):
+    """Launch the Hopper kernel for an ``_Epilogue`` (arguments checked by
+    ``hopper_support.check_hopper_launch``); returns the compiled kernel's handle."""
+    config = epilogue.config
+    T, K = x.shape
+    N = weight.shape[0]
+    if T == 0:  # a TMA descriptor needs a nonempty tensor; the token loop reads none of it
+        x = x.new_zeros((1, K))
+        dy = dy.new_zeros((1, N))
+    block_t, block_n, block_k = config.block_t, config.block_n, config.block_k
+    descriptors = [_operand_descriptor(dy, [block_t, block_n]), _operand_descriptor(x, [block_t, block_k])]
+    descriptors += [_tile_descriptor(t, [block_n, block_k]) for t in [weight] + epilogue.slot_tensors]
+    tiles = epilogue.grid[0] * epilogue.grid[1]
+    grid = (min(tiles, _multiprocessors(weight.device.index if weight.device.index is not None
+                                        else torch.cuda.current_device())),)
+    args = epilogue.rule_args
+    try:
+        return _hopper_update_kernel[grid](
+            *descriptors, weight, *epilogue.slot_tensors, epilogue.flags, epilogue.status, T, N, K, *epilogue.place,
+            epilogue.grad_scale, *epilogue.scalars, epilogue.seed, *epilogue.device_scalars,
+            RULE=args["RULE"], VARIANT=args["VARIANT"], HAS_S0=args["HAS_S0"], HAS_S1=args["HAS_S1"],
+            HAS_S2=args["HAS_S2"], W_BF16=args["W_BF16"], S_BF16=args["S_BF16"], STOCHASTIC=args["STOCHASTIC"],
+            ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"], NUM_STAGES=config.num_stages,
+            num_warps=4, enable_fp_fusion=False)
+    except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
+        raise ValueError(f"{config} stages each consumer's weight and state tiles in shared memory, and with "
+                         f"{len([t for t in epilogue.slot_tensors if t is not weight])} state slots of "
+                         f"{epilogue.state_format} beside a {weight.dtype} weight they do not fit ({error}); use "
+                         "block_k=32 or fewer stages") from error

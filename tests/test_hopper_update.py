@@ -1,0 +1,214 @@
+"""The Hopper kernel (``TileConfig(kernel="hopper")``) computes the portable kernel's
+function bit for bit: for every rule, storage regime and rounding, on shapes with ragged
+edges, at an offset in a larger weight, with a gradient scale, with device scalars inside
+a CUDA graph, and through the non-finite paths (nothing written, skipped tiles, the same
+flags). GPU-only (sm_90); what it refuses is checked everywhere."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import forge_kernels as fk
+from forge_verify import assert_bitwise_equal
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="the hopper kernel runs on compute capability 9.x GPUs only")
+CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 64, 64, 4, 3, kernel="hopper")]
+SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
+RULES = {
+    "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
+    "sgd-momentum": lambda: fk.SGD(lr=0.1, momentum=0.9),
+    "sgd": lambda: fk.SGD(lr=0.1),
+    "lion": lambda: fk.Lion(lr=1e-3),
+    "adagrad": lambda: fk.Adagrad(lr=0.1),
+    "rmsprop": lambda: fk.RMSprop(lr=1e-2, momentum=0.5),
+    "rmsprop-centered": lambda: fk.RMSprop(lr=1e-2, momentum=0.5, centered=True),  # three state slots
+}
+REGIMES = {  # name: (weight dtype, state format, rounding)
+    "fp32": (torch.float32, "fp32", "nearest"),
+    "bf16-sr": (torch.bfloat16, "bf16", "stochastic"),
+    "bf16-nearest": (torch.bfloat16, "bf16", "nearest"),
+    "fp32-weight-bf16-state": (torch.float32, "bf16", "stochastic"),
+}
+
+
+def _inputs(t, n, k, w_dtype, seed=0, device="cuda"):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(t, k, generator=gen).bfloat16().to(device)
+    dy = (torch.randn(t, n, generator=gen) * 0.1).bfloat16().to(device)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(device, w_dtype)
+    return x, dy, w
+
+
+def _state(rule, w, state_format):
+    state = rule.init_state(w, state_format=state_format)
+    for value in state.values():  # a nonzero, nonnegative state, as after some steps
+        value.copy_(torch.rand(value.shape, generator=torch.Generator().manual_seed(1)).to(value.dtype) * 1e-3)
+    return state
+
+
+def _steps(config, rule, x, dy, w, state, **kwargs):
+    """(weight, state) after two steps with ``config``, from copies of the given ones."""
+    w = w.clone()
+    state = {name: value.clone() for name, value in state.items()}
+    for step in (1, 2):
+        fk.fused_weight_update(x, dy, w, state, rule, step, config=config, **kwargs)
+    return w, state
+
+
+def _assert_same(a, b, where):
+    assert_bitwise_equal(a[0], b[0], f"{where}: weight")
+    for name in a[1]:
+        assert_bitwise_equal(a[1][name], b[1][name], f"{where}: {name}")
+
+
+def _portable(config):
+    return dataclasses.replace(config, kernel="portable")
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_k}x{c.block_t}x{c.num_stages}")
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("rule_name", RULES)
+def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name):
+    w_dtype, state_format, rounding = REGIMES[regime]
+    rule = RULES[rule_name]()
+    # Ragged in every direction: 200 rows (3 full tiles of 64 and 8), 72 columns, 100 tokens.
+    x, dy, w = _inputs(100, 200, 72, w_dtype)
+    state = _state(rule, w, state_format)
+    if rule_name == "rmsprop-centered" and regime == "fp32" and config.block_k == 64:
+        # Weight and three fp32 slots of 64x64 per consumer exceed the multiprocessor's shared memory.
+        w_k, s_k = w.clone(), {name: value.clone() for name, value in state.items()}
+        with pytest.raises(ValueError, match="shared memory"):
+            fk.fused_weight_update(x, dy, w_k, s_k, rule, 1, config=config, rounding=rounding)
+        _assert_same((w, state), (w_k, s_k), "after the refusal")
+        return
+    fast = _steps(config, rule, x, dy, w, state, rounding=rounding, seed=5)
+    _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, rounding=rounding, seed=5), "portable")
+    _assert_same(fast, _steps(config, rule, x, dy, w, state, rounding=rounding, seed=5, oracle=True), "oracle")
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS], ids=["64-token", "32-token"])
+@pytest.mark.parametrize("col_start", [0, 3])
+def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start):
+    """A shard at rows 64.., columns ``col_start``.. of a larger weight, with a gradient
+    scale: an odd column start splits the Philox pairs (the per-element draw)."""
+    rule = fk.AdamW(lr=1e-2)
+    x, dy, w = _inputs(96, 128, 64, torch.bfloat16, seed=2)
+    state = _state(rule, w, "bf16")
+    where = fk.WeightSlice(64, col_start, (256, 200))
+    kwargs = dict(seed=9, weight_slice=where, grad_scale=0.5)
+    _assert_same(_steps(config, rule, x, dy, w, state, **kwargs),
+                 _steps(_portable(config), rule, x, dy, w, state, **kwargs), f"slice at column {col_start}")
+
+
+@hopper
+@pytest.mark.gpu
+def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps():
+    config = CONFIGS[0]
+    rule = fk.AdamW(lr=1e-2)
+    x, dy, w = _inputs(128, 128, 96, torch.bfloat16, seed=3)
+    state = _state(rule, w, "bf16")
+    eager = _steps(config, rule, x, dy, w, state, seed=4)
+    w_c = w.clone()
+    s_c = {name: value.clone() for name, value in state.items()}
+    scalars = fk.StepScalars(rule, seed=4, device="cuda").set(1)
+    fk.fused_weight_update(x, dy, w_c.clone(), {n: v.clone() for n, v in s_c.items()}, rule, scalars, seed=4,
+                           config=config, report="defer")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        report = fk.fused_weight_update(x, dy, w_c, s_c, rule, scalars, seed=4, config=config, report="defer")
+    for step in (1, 2):
+        scalars.set(step)
+        graph.replay()
+    report.check()
+    _assert_same(eager, (w_c, s_c), "captured")
+
+
+@hopper
+@pytest.mark.gpu
+def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient():
+    config = CONFIGS[1]
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    x, dy, w = _inputs(0, 64, 64, torch.float32)
+    state = _state(rule, w, "fp32")
+    _assert_same(_steps(config, rule, x, dy, w, state), _steps(_portable(config), rule, x, dy, w, state), "T = 0")
+
+
+@hopper
+@pytest.mark.gpu
+def test_hopper_kernel_writes_nothing_on_a_non_finite_input():
+    config = CONFIGS[0]
+    rule = fk.AdamW()
+    x, dy, w = _inputs(64, 64, 64, torch.float32)
+    x[3, 5] = float("nan")
+    state = _state(rule, w, "fp32")
+    before = (w.clone(), {name: value.clone() for name, value in state.items()})
+    with pytest.raises(fk.NonFiniteInputError):
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=config)
+    _assert_same(before, (w, state), "after a NaN input")
+
+
+@hopper
+@pytest.mark.gpu
+def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles():
+    """A gradient that overflows in the tile at rows 64-127, columns 32-63 only."""
+    config = CONFIGS[0]
+    rule = fk.SGD(lr=1.0)
+    x, dy, w = _inputs(64, 192, 96, torch.float32)
+    x[:, 32:64] = 2.0**60
+    dy[:, 64:128] = 2.0**80
+    found = []
+    for kernel_config in (config, _portable(config)):
+        w_k, state = w.clone(), rule.init_state(w)
+        with pytest.raises(fk.NonFiniteUpdateError) as raised:
+            fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
+        found.append((raised.value.tiles, w_k))
+    assert found[0][0] == found[1][0] == [(64, 128, 32, 64)]
+    assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
+
+
+@pytest.mark.parametrize("fields, wrong", [
+    (dict(block_n=128), "block_n=128"), (dict(block_k=128), "block_k=128"), (dict(num_warps=8), "num_warps=8"),
+    (dict(maxnreg=128), "maxnreg=128"), (dict(epilogue_split=2), "epilogue_split=2"),
+    (dict(block_t=16), "block_t=16"), (dict(num_stages=5), "num_stages=5")])
+def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
+    base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
+    with pytest.raises(ValueError, match=wrong):
+        fk.TileConfig(**{**base, **fields})
+
+
+def test_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel='blackwell'"):
+        fk.TileConfig(kernel="blackwell")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
+                    reason="checks the refusal where the hopper kernel cannot run")
+def test_hopper_config_is_refused_where_it_cannot_run():
+    device = fk.kernel_device()
+    rule = fk.AdamW()
+    x, dy, w = _inputs(16, 64, 32, torch.float32, device=device)
+    state = rule.init_state(w)
+    before = w.clone()
+    with pytest.raises(RuntimeError, match="kernel='portable'"):
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=CONFIGS[0])
+    assert_bitwise_equal(before, w, "weight after the refusal")
+
+
+@hopper
+@pytest.mark.gpu
+def test_hopper_kernel_refuses_what_it_cannot_read():
+    rule = fk.AdamW()
+    x, dy, w = _inputs(16, 64, 32, torch.float32)
+    with pytest.raises(TypeError, match="bf16 activations"):
+        fk.fused_weight_update(x.float(), dy.float(), w, rule.init_state(w), rule, 1, config=CONFIGS[0])
+    with pytest.raises(ValueError, match="q8"):
+        fk.fused_weight_update(x, dy, w.bfloat16(), rule.init_state(w.bfloat16(), "q8"), rule, 1, config=CONFIGS[0])
+    rows_72_bytes_apart = torch.zeros(16, 36, dtype=torch.bfloat16, device="cuda")[:, :32]
+    with pytest.raises(ValueError, match="TMA"):
+        fk.fused_weight_update(rows_72_bytes_apart, dy, w, rule.init_state(w), rule, 1, config=CONFIGS[0])
