@@ -17,8 +17,10 @@ state, whole weights (no slices), host scalars.
 
 Each variant is first compared bit for bit with the portable kernel on the same inputs
 (at (64, 64, 64, 4, 3) and at the tuned config), then timed beside torch and the
-portable kernel's tuned config. GPU only (Hopper); not part of the library. Results:
-benchmarks/README.md, "A Hopper form in Gluon".
+portable kernel's tuned config. GPU only (Hopper); not part of the library. Its second,
+persistent warp-specialized kernel (written here at f01bdb7) became the library's
+``TileConfig(kernel="hopper")``, whose Philox words and layouts this one now shares.
+Results: benchmarks/README.md, "A Hopper form in Gluon".
 """
 
 import argparse
@@ -28,7 +30,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -40,55 +41,18 @@ from checkout import forge_kernels  # noqa: E402
 
 fk = forge_kernels()
 from forge_kernels.ops.finite_check import STATUS_WORDS, is_finite  # noqa: E402
-from forge_kernels.ops.stochastic_round import rn_bf16, sr_bf16_with, stream_seed  # noqa: E402
-from forge_kernels.ops.fused_weight_update import _BAD_TILES  # noqa: E402
-
-
-@gluon.constexpr_function
-def _epi_layout(block_k, num_warps):
-    """Row-major, four consecutive columns (16 bytes of fp32) per thread."""
-    across = min(16, block_k // 4)
-    return gl.BlockedLayout([1, 4], [32 // across, across], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _pair_layout(block_k, num_warps):
-    """``_epi_layout`` over column pairs: joined with itself it is ``_epi_layout``."""
-    across = min(16, block_k // 4)
-    return gl.BlockedLayout([1, 2], [32 // across, across], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _pair_words(seed, rows, cols_half, global_k, layout: gl.constexpr):
-    """The portable kernel's ``paired_words`` (ALIGNED): one Philox call per pair of
-    neighbouring columns, the even column taking each word's low half, the odd one the
-    high half; ``rows`` and ``cols_half`` index the tile's rows and column pairs."""
-    counter = (rows.to(gl.int64)[:, None] * ((global_k + 1) // 2) + cols_half[None, :]).to(gl.uint32)
-    r0, r1, r2, r3 = tl.randint4x(seed, counter)
-    w0 = gl.convert_layout(gl.reshape(gl.join(r0, r0 >> 16), [rows.shape[0], 2 * cols_half.shape[0]]), layout)
-    w1 = gl.convert_layout(gl.reshape(gl.join(r1, r1 >> 16), [rows.shape[0], 2 * cols_half.shape[0]]), layout)
-    w2 = gl.convert_layout(gl.reshape(gl.join(r2, r2 >> 16), [rows.shape[0], 2 * cols_half.shape[0]]), layout)
-    return w0, w1, w2
-
-
-@gluon.jit
-def _store_format(v, word, TO_BF16: gl.constexpr, STOCHASTIC: gl.constexpr):
-    out = v
-    if TO_BF16:
-        if STOCHASTIC:
-            out = sr_bf16_with(v, word)
-        else:
-            out = rn_bf16(v)
-    return out
+from forge_kernels.ops.stochastic_round import stream_seed  # noqa: E402
+from forge_kernels.ops.fused_weight_update import _BAD_TILES, _to_storage  # noqa: E402
+from forge_kernels.ops.hopper_update import _epilogue_layout, _words  # noqa: E402
 
 
 @gluon.jit
 def _rule_and_round(g, w, m, v, off_n, off_k, N, K, global_k, h0, h1, h2, h3, h4, h5, h6, h7, seed,
                     RULE: gl.constexpr, VARIANT: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                     STOCHASTIC: gl.constexpr, epi: gl.constexpr, num_warps: gl.constexpr):
-    """The portable epilogue's arithmetic on one tile held in layout ``epi``: the rule in
-    fp32, the stores' rounding with the same Philox words, and the count of non-finite
-    elements inside the weight (the tile is stored only when it is 0)."""
+    """The portable epilogue's arithmetic on one AdamW tile held in layout ``epi``: the
+    rule in fp32, the stores' rounding with the same Philox words, and the count of
+    non-finite elements inside the weight (the tile is stored only when it is 0)."""
     BLOCK_N: gl.constexpr = g.shape[0]
     BLOCK_K: gl.constexpr = g.shape[1]
     w, m, v, unused = RULE(w.to(gl.float32), g, m.to(gl.float32), v.to(gl.float32), v.to(gl.float32),
@@ -99,13 +63,10 @@ def _rule_and_round(g, w, m, v, off_n, off_k, N, K, global_k, h0, h1, h2, h3, h4
     r1 = r0
     r2 = r0
     if STOCHASTIC and (W_BF16 or S_BF16):
-        pair: gl.constexpr = _pair_layout(BLOCK_K, num_warps)
-        prow = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pair))
-        pcol = off_k // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pair))
-        r0, r1, r2 = _pair_words(seed, prow, pcol, global_k, epi)
-    w = _store_format(w, r0, W_BF16, STOCHASTIC)
-    m = _store_format(m, r1, S_BF16, STOCHASTIC)
-    v = _store_format(v, r2, S_BF16, STOCHASTIC)
+        r0, r1, r2, r3 = _words(seed, off_n, off_k, global_k, BLOCK_N, BLOCK_K, True, num_warps)
+    w = _to_storage(w, r0, W_BF16, STOCHASTIC)
+    m = _to_storage(m, r1, S_BF16, STOCHASTIC)
+    v = _to_storage(v, r2, S_BF16, STOCHASTIC)
     inside = (rows < N)[:, None] & (cols < K)[None, :]
     finite = is_finite(g) & is_finite(w.to(gl.float32)) & is_finite(m.to(gl.float32)) & is_finite(v.to(gl.float32))
     num_bad = gl.sum(gl.sum(gl.where(inside & ~finite, 1, 0), axis=1), axis=0)
@@ -169,7 +130,7 @@ def _hopper_update_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, flag_ptr, sta
 
     # The epilogue, in a row-major blocked layout (16-byte rows per thread).
     inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
-    epi: gl.constexpr = _epi_layout(BLOCK_K, num_warps)
+    epi: gl.constexpr = _epilogue_layout(BLOCK_K, num_warps)
     g = gl.convert_layout(acc, epi)
     mbarrier.wait(epi_bar, 0)
     w, m, v, num_bad = _rule_and_round(g, w_smem.load(epi), m_smem.load(epi), v_smem.load(epi), off_n, off_k, N, K,
@@ -187,145 +148,6 @@ def _hopper_update_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, flag_ptr, sta
     gl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
     gl.store(flag_ptr + pid_n * gl.num_programs(1) + pid_k, num_bad)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _pingpong_loader(dy_desc, x_desc, w_desc, m_desc, v_desc, dy_bufs, x_bufs, ready, free, w_smem, m_smem, v_smem,
-                     epi_ready, epi_free, T, N, K, C: gl.constexpr):
-    """Consumer C's TMA warp: for each of its tiles, the weight and state tile (once the
-    consumer has read the previous one) and the tile's dy and x blocks into its ring."""
-    BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    STAGES: gl.constexpr = dy_bufs.shape[0]
-    tiles_k = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
-    num_t = gl.cdiv(T, BLOCK_T)
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    nbytes: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
-    epi_bytes: gl.constexpr = w_desc.block_type.nbytes + m_desc.block_type.nbytes + v_desc.block_type.nbytes
-    counter = 0
-    visit = 0
-    for tile in range(pid + C * programs, num_tiles, 2 * programs):
-        off_n = (tile // tiles_k) * BLOCK_N
-        off_k = (tile % tiles_k) * BLOCK_K
-        # A fresh barrier counts as released once (waiting on the other parity passes).
-        mbarrier.wait(epi_free, (visit & 1) ^ 1)
-        mbarrier.expect(epi_ready, epi_bytes)
-        tma.async_copy_global_to_shared(w_desc, [off_n, off_k], epi_ready, w_smem)
-        tma.async_copy_global_to_shared(m_desc, [off_n, off_k], epi_ready, m_smem)
-        tma.async_copy_global_to_shared(v_desc, [off_n, off_k], epi_ready, v_smem)
-        visit += 1
-        for i in range(num_t):
-            stage = counter % STAGES
-            mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), nbytes)
-            tma.async_copy_global_to_shared(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
-            tma.async_copy_global_to_shared(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
-            counter += 1
-
-
-@gluon.jit
-def _pingpong_consumer(w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, dy_bufs, x_bufs, ready, free, w_smem, m_smem, v_smem,
-                       epi_ready, epi_free, T, N, K, global_k, h0, h1, h2, h3, h4, h5, h6, h7, seed,
-                       RULE: gl.constexpr, VARIANT: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
-                       STOCHASTIC: gl.constexpr, C: gl.constexpr):
-    """One warpgroup: every other tile of this program, its token loop on wgmma, then its
-    epilogue, while the other warpgroup runs its own tile (ping-pong)."""
-    BLOCK_T: gl.constexpr = x_bufs.shape[1]
-    BLOCK_N: gl.constexpr = dy_bufs.shape[2]
-    BLOCK_K: gl.constexpr = x_bufs.shape[2]
-    STAGES: gl.constexpr = dy_bufs.shape[0]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_K, 16])
-    epi: gl.constexpr = _epi_layout(BLOCK_K, 4)
-    tiles_k = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
-    num_t = gl.cdiv(T, BLOCK_T)
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
-    counter = 0
-    visit = 0
-    for tile in range(pid + C * programs, num_tiles, 2 * programs):
-        off_n = (tile // tiles_k) * BLOCK_N
-        off_k = (tile % tiles_k) * BLOCK_K
-        acc = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.float32, layout=mma_layout)
-        for i in range(num_t):
-            stage = counter % STAGES
-            mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-            dy_t = dy_bufs.index(stage).permute((1, 0))
-            acc = warpgroup_mma(dy_t, x_bufs.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(stage))
-            counter += 1
-        g = gl.convert_layout(acc, epi)
-        mbarrier.wait(epi_ready, visit & 1)
-        w = w_smem.load(epi)
-        m = m_smem.load(epi)
-        v = v_smem.load(epi)
-        gl.thread_barrier()  # every warp of the group has read the tile before the loader reuses it
-        mbarrier.arrive(epi_free)
-        visit += 1
-        w, m, v, num_bad = _rule_and_round(g, w, m, v, off_n, off_k, N, K, global_k, h0, h1, h2, h3, h4, h5, h6, h7,
-                                           seed, RULE, VARIANT, W_BF16, S_BF16, STOCHASTIC, epi, 4)
-        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
-        cols = off_k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, epi))
-        idx = rows[:, None] * K + cols[None, :]
-        keep = (rows < N)[:, None] & (cols < K)[None, :] & ((idx * 0 + ((num_bad == 0) & inputs_ok).to(gl.int32)) != 0)
-        gl.store(w_ptr + idx, w, mask=keep)
-        gl.store(m_ptr + idx, m, mask=keep)
-        gl.store(v_ptr + idx, v, mask=keep)
-        gl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
-        gl.store(flag_ptr + tile, num_bad)
-
-
-@gluon.jit
-def _pingpong_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr,
-                     T, N, K, global_k, h0, h1, h2, h3, h4, h5, h6, h7, seed,
-                     RULE: gl.constexpr, VARIANT: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
-                     STOCHASTIC: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     num_warps: gl.constexpr):
-    """Persistent, warp-specialized: two consumer warpgroups take alternate tiles (the
-    default partition is consumer 0), each fed by its own TMA warp."""
-    gl.static_assert(num_warps == 4)
-    dy0 = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
-    x0 = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
-    dy1 = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
-    x1 = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready0 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    free0 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    ready1 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    free1 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready0.index(i), count=1)
-        mbarrier.init(free0.index(i), count=1)
-        mbarrier.init(ready1.index(i), count=1)
-        mbarrier.init(free1.index(i), count=1)
-    w0 = gl.allocate_shared_memory(w_desc.dtype, w_desc.block_type.shape, w_desc.layout)
-    m0 = gl.allocate_shared_memory(m_desc.dtype, m_desc.block_type.shape, m_desc.layout)
-    v0 = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    w1 = gl.allocate_shared_memory(w_desc.dtype, w_desc.block_type.shape, w_desc.layout)
-    m1 = gl.allocate_shared_memory(m_desc.dtype, m_desc.block_type.shape, m_desc.layout)
-    v1 = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    epi_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
-        mbarrier.init(epi_bars.index(i), count=1)
-    gl.warp_specialize([
-        (_pingpong_consumer, (w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, dy0, x0, ready0, free0, w0, m0, v0,
-                              epi_bars.index(0), epi_bars.index(1), T, N, K, global_k, h0, h1, h2, h3, h4, h5, h6,
-                              h7, seed, RULE, VARIANT, W_BF16, S_BF16,
-                              STOCHASTIC, 0)),
-        (_pingpong_consumer, (w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, dy1, x1, ready1, free1, w1, m1, v1,
-                              epi_bars.index(2), epi_bars.index(3), T, N, K, global_k, h0, h1, h2, h3, h4, h5, h6,
-                              h7, seed, RULE, VARIANT, W_BF16, S_BF16,
-                              STOCHASTIC, 1)),
-        (_pingpong_loader, (dy_desc, x_desc, w_desc, m_desc, v_desc, dy0, x0, ready0, free0, w0, m0, v0,
-                            epi_bars.index(0), epi_bars.index(1), T, N, K, 0)),
-        (_pingpong_loader, (dy_desc, x_desc, w_desc, m_desc, v_desc, dy1, x1, ready1, free1, w1, m1, v1,
-                            epi_bars.index(2), epi_bars.index(3), T, N, K, 1)),
-    ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 def _descriptor(t, block):
@@ -362,30 +184,6 @@ class HopperStep:
         return _hopper_update_kernel[self.grid](*self.args, **self.meta)
 
 
-class PingPongStep(HopperStep):
-    """The persistent, warp-specialized kernel: one program per multiprocessor."""
-
-    def __init__(self, x, dy, w, state, rule, step, seed, block_n=64, block_k=64, block_t=64, stages=3,
-                 consumer_regs=232, rounding="stochastic"):
-        super().__init__(x, dy, w, state, rule, step, seed, block_n, block_k, block_t, stages, 4, rounding)
-        tiles = self.grid[0] * self.grid[1]
-        self.grid = (min(tiles, torch.cuda.get_device_properties(w.device).multi_processor_count),)
-        descriptors, rest = self.args[:5], self.args[5:]
-        self.args = (*descriptors, w, state["exp_avg"], state["exp_avg_sq"], *rest)
-        self.meta["CONSUMER_REGS"] = consumer_regs
-
-    def __call__(self):
-        return _pingpong_kernel[self.grid](*self.args, **self.meta)
-
-
-def make_step(variant, *args):
-    """A Gluon step for a variant: (block_n, block_k, block_t, stages, warps) is the
-    one-partition kernel, ("pp", block_n, block_k, block_t, stages) the ping-pong one."""
-    if variant[0] == "pp":
-        return PingPongStep(*args, *variant[1:])
-    return HopperStep(*args, *variant)
-
-
 def _same_bits(pairs) -> bool:
     return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
 
@@ -399,7 +197,7 @@ def compare(layer, r, variant, configs, seed=3):
     from the same weight and state."""
     state = layer.fresh_state(r)
     w_g, s_g = layer.w.clone(), _copy(state)
-    make_step(variant, layer.x, layer.dy, w_g, s_g, r, 1, seed)()
+    HopperStep(layer.x, layer.dy, w_g, s_g, r, 1, seed, *variant)()
     found = {}
     for config in configs:
         w_p, s_p = layer.w.clone(), _copy(state)
@@ -419,7 +217,7 @@ def main():
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     bandwidth, matrix_rate = bu.measure_ceilings()
     tuned = bu.json.loads(bu.CONFIGS_FILE.read_text())
-    variants = [tuple(v if v == "pp" else int(v) for v in c.split(",")) for c in args.variants.split(";")]
+    variants = [tuple(int(v) for v in c.split(",")) for c in args.variants.split(";")]
     r = bu.rule()
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -435,7 +233,7 @@ def main():
                 for variant in variants if t > 0 else ():  # a TMA descriptor needs a nonempty x and dy
                     try:
                         same = compare(layer, r, variant, [(64, 64, 64, 4, 3), tuned_config])
-                        step = make_step(variant, layer.x, layer.dy, layer.w.clone(), layer.fresh_state(r), r, 1, 3)
+                        step = HopperStep(layer.x, layer.dy, layer.w.clone(), layer.fresh_state(r), r, 1, 3, *variant)
                         compiled = step()
                         note = (f"{compiled.n_regs} regs {compiled.n_spills} spills smem {compiled.metadata.shared}; "
                                 f"bits == portable " + ", ".join(f"{c}: {s}" for c, s in same.items()))

@@ -40,28 +40,29 @@ CONSUMER_REGISTERS = gl.constexpr(232)
 
 
 @gluon.constexpr_function
-def _epilogue_layout(block_k):
-    """Row-major, four consecutive columns per thread, one warpgroup."""
+def _epilogue_layout(block_k, num_warps=4):
+    """Row-major, four consecutive columns per thread (a consumer is one warpgroup)."""
     across = min(16, block_k // 4)
-    return gl.BlockedLayout([1, 4], [32 // across, across], [4, 1], [1, 0])
+    return gl.BlockedLayout([1, 4], [32 // across, across], [num_warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def _pair_layout(block_k):
+def _pair_layout(block_k, num_warps=4):
     """``_epilogue_layout`` over column pairs: a pair joined with itself is ``_epilogue_layout``."""
     across = min(16, block_k // 4)
-    return gl.BlockedLayout([1, 2], [32 // across, across], [4, 1], [1, 0])
+    return gl.BlockedLayout([1, 2], [32 // across, across], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
-def _words(seed, row0, col0, global_k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, ALIGNED: gl.constexpr):
+def _words(seed, row0, col0, global_k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, ALIGNED: gl.constexpr,
+           NUM_WARPS: gl.constexpr = 4):
     """The portable ``paired_words`` for the tile whose first element sits at global
     (row0, col0): one Philox call per pair of neighbouring columns, the even column taking
     each word's low 16 bits and the odd one the high 16; an odd ``col0`` draws per element."""
-    epi: gl.constexpr = _epilogue_layout(BLOCK_K)
+    epi: gl.constexpr = _epilogue_layout(BLOCK_K, NUM_WARPS)
     pairs_per_row = (global_k + 1) // 2
     if ALIGNED:
-        pair: gl.constexpr = _pair_layout(BLOCK_K)
+        pair: gl.constexpr = _pair_layout(BLOCK_K, NUM_WARPS)
         rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pair))
         pairs = col0 // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pair))
         counter = (rows.to(gl.int64)[:, None] * pairs_per_row + pairs[None, :]).to(gl.uint32)
