@@ -13,7 +13,7 @@ from torch import nn
 
 import forge_kernels as fk
 from forge_kernels import q8
-from forge_kernels.ops.q8_codec import q8_decode, q8_encode
+from forge_kernels.ops.q8_codec import _bracket, q8_decode, q8_encode
 from forge_kernels.ops.stochastic_round import stream_seed
 from forge_verify import assert_bitwise_equal
 from forge_verify.checks.claims import decoded_state
@@ -200,6 +200,41 @@ def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, roundin
     expected_codes, expected_exponents = q8.encode(values, signed=signed, random_words=words)
     assert_bitwise_equal(codes.cpu(), expected_codes, "codes")
     assert_bitwise_equal(exponents.cpu(), expected_exponents.reshape(-1), "exponents")
+
+
+@triton.jit
+def _bracket_kernel(u_ptr, code_ptr, lower_ptr, upper_ptr, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    code, lower, upper = _bracket(tl.load(u_ptr + offs), SIGNED)
+    tl.store(code_ptr + offs, code)
+    tl.store(lower_ptr + offs, lower)
+    tl.store(upper_ptr + offs, upper)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_bracket_equals_the_host_levels(signed, device):
+    """The bracket built from u's bits (code, the code's level and the next code's) is
+    the host's sorted search of the 256 levels, bit for bit: at every level boundary (as
+    above) and at 2**17 fp32 values drawn uniformly from the bit patterns of [-1, 1],
+    which puts most of them far below the smallest level (the clamps)."""
+    gen = np.random.default_rng(3)
+    one = int(np.float32(1.0).view(np.uint32))
+    drawn = (gen.integers(0, one + 1, 1 << 17, dtype=np.uint32) | (gen.integers(0, 2, 1 << 17, dtype=np.uint32) << 31))
+    values = np.concatenate([_boundary_values(True).numpy().ravel(), -_boundary_values(True).numpy().ravel(),
+                             drawn.view(np.float32)]).astype(np.float32)
+    block = 1024
+    u = np.zeros(-(-values.size // block) * block, dtype=np.float32)
+    u[:values.size] = values
+    code = torch.empty(u.size, dtype=torch.int32, device=device)
+    lower, upper = torch.empty(u.size, device=device), torch.empty(u.size, device=device)
+    _bracket_kernel[(u.size // block,)](torch.from_numpy(u).to(device), code, lower, upper, SIGNED=signed,
+                                        BLOCK=block)
+    levels = q8.SIGNED_LEVELS if signed else q8.UNSIGNED_LEVELS
+    expected = np.clip(np.searchsorted(levels, u, side="right") - 1, 0, 255)
+    assert_bitwise_equal(code.cpu(), torch.from_numpy(expected.astype(np.int32)), "codes")
+    assert_bitwise_equal(lower.cpu(), torch.from_numpy(levels[expected]), "lower levels")
+    assert_bitwise_equal(upper.cpu(), torch.from_numpy(levels[np.minimum(expected + 1, 255)]), "upper levels")
 
 
 @triton.jit

@@ -7,19 +7,23 @@ No 256-level table is read, and no log2. A level is ``octave[j % P] * 2**-(j // 
 octave table (``q8.table``: 64 bytes) times a power of two; and the levels bracketing a
 value follow from the value's own fp32 bits: its exponent says which octave it lies in,
 exact integer comparisons of its mantissa with the octave's mantissas say where inside
-it. The bracket is exact by construction (the earlier search estimated it from a
-rounded log2 and corrected the estimate with four reads of a 1 KB level table). On an
-H200 this changed the q8 step's time by about 1 % (4096 x 4096, 256 tokens, its tuned
-config: 0.444 against 0.448 ms; benchmarks/results/tuning/h200-early-loads-q8-bits.log):
-those reads were not what bounds the q8 epilogue.
+it, and the same comparisons select the two levels' mantissa fields, so encoding reads
+no level at all. The bracket is exact by construction (the earlier search estimated it
+from a rounded log2 and corrected the estimate with four reads of a 1 KB level table;
+on an H200 dropping those reads changed the q8 step's time by about 1 %, 4096 x 4096,
+256 tokens, its tuned config: 0.444 against 0.448 ms;
+benchmarks/results/tuning/h200-early-loads-q8-bits.log). Building the bracket from the
+comparisons instead of decoding its two codes cut the compiled sm_90 epilogue from 452
+to 368 instructions per element (benchmarks/sass_count.py, tuned config): the q8
+epilogue is bound by instruction issue, and each decoded level cost about 25.
 """
 
 import numpy as np
 import triton
 import triton.language as tl
 
-from ..q8 import (BLOCK, MAX_EXPONENT, MIN_EXPONENT, OCTAVE_TABLE_OFFSETS, RANDOM_BITS, SIGNED_LEVELS_PER_OCTAVE,
-                  UNSIGNED_LEVELS_PER_OCTAVE, octave)
+from ..q8 import (BLOCK, MAX_EXPONENT, MIN_EXPONENT, OCTAVE_TABLE_OFFSETS, RANDOM_BITS, SIGNED_LEVELS,
+                  SIGNED_LEVELS_PER_OCTAVE, UNSIGNED_LEVELS, UNSIGNED_LEVELS_PER_OCTAVE, octave)
 
 Q8_BLOCK = tl.constexpr(BLOCK)
 Q8_MIN_EXPONENT = tl.constexpr(MIN_EXPONENT)
@@ -32,18 +36,6 @@ Q8_SIGNED_PER_OCTAVE = tl.constexpr(SIGNED_LEVELS_PER_OCTAVE)
 Q8_UNSIGNED_PER_OCTAVE = tl.constexpr(UNSIGNED_LEVELS_PER_OCTAVE)
 Q8_SIGNED_OFFSET = tl.constexpr(OCTAVE_TABLE_OFFSETS[True])
 Q8_UNSIGNED_OFFSET = tl.constexpr(OCTAVE_TABLE_OFFSETS[False])
-
-
-def _mantissas(per_octave: int) -> list:
-    """The 23-bit mantissa fields of 2 * octave[r], r = 1 .. per_octave - 1 (descending:
-    the levels of one binade above its power of two), padded to six with 2**23, which no
-    mantissa field reaches."""
-    fields = [int(np.float32(2 * value).view(np.uint32)) & 0x7FFFFF for value in octave(per_octave)[1:]]
-    return fields + [1 << 23] * (6 - len(fields))
-
-
-_S1, _S2, _S3, _S4, _S5, _ = (tl.constexpr(m) for m in _mantissas(SIGNED_LEVELS_PER_OCTAVE))
-_U1, _U2, _U3, _U4, _U5, _U6 = (tl.constexpr(m) for m in _mantissas(UNSIGNED_LEVELS_PER_OCTAVE))
 
 
 @triton.jit
@@ -79,34 +71,103 @@ def q8_decode(codes_ptr, exp_ptr, table_ptr, idx, eidx, mask, SIGNED: tl.constex
     return _level(code, table_ptr, SIGNED) * _power_of_two(e)
 
 
+def _rungs(per_octave: int) -> list:
+    """The levels of one binade, rung by rung from its lowest octave mantissa up: for the
+    mantissa field M_r of 2 * octave[r] (r = P - 1 down to 1), the triple (M_r, packed,
+    higher), ``packed`` holding the count c = P - r of octave mantissas <= M_r from bit 23
+    up and M_r below it (one selection for both), ``higher`` the field of the level
+    above: M_(r-1), and 2**23 above M_1, which carries into the exponent field (the next
+    binade's power of two)."""
+    fields = [int(np.float32(2 * value).view(np.uint32)) & 0x7FFFFF for value in octave(per_octave)]
+    fields[0] = 1 << 23
+    return [(fields[r], (per_octave - r) << 23 | fields[r], fields[r - 1]) for r in range(per_octave - 1, 0, -1)]
+
+
+def _bits(value) -> int:
+    """The fp32 bit pattern of ``value`` as an int32 constant: the same bits on every backend."""
+    return int(np.float32(value).view(np.int32))
+
+
+(_SR1, _SR2, _SR3, _SR4, _SR5), (_SP1, _SP2, _SP3, _SP4, _SP5), (_SH1, _SH2, _SH3, _SH4, _SH5) = (
+    tuple(tl.constexpr(v) for v in column) for column in zip(*_rungs(SIGNED_LEVELS_PER_OCTAVE)))
+(_UR1, _UR2, _UR3, _UR4, _UR5, _UR6), (_UP1, _UP2, _UP3, _UP4, _UP5, _UP6), (_UH1, _UH2, _UH3, _UH4, _UH5, _UH6) = (
+    tuple(tl.constexpr(v) for v in column) for column in zip(*_rungs(UNSIGNED_LEVELS_PER_OCTAVE)))
+#: fp32 bits of 1.0, of the smallest positive levels (signed code 129, unsigned code 1)
+#: and of the negative level closest to zero (signed code 127).
+_ONE = tl.constexpr(_bits(1.0))
+_SIGNED_SMALLEST = tl.constexpr(_bits(SIGNED_LEVELS[129]))
+_SIGNED_SMALLEST_NEGATIVE = tl.constexpr(_bits(SIGNED_LEVELS[127]))
+_UNSIGNED_SMALLEST = tl.constexpr(_bits(UNSIGNED_LEVELS[1]))
+_SIGN = tl.constexpr(-(1 << 31))
+
+
 @triton.jit
-def _lower_code(u, SIGNED: tl.constexpr):
-    """The code of the last of the 256 ascending levels <= u, for u in [-1, 1], from u's
-    bits: |u| = 2**E * (1 + mantissa / 2**23). The levels of magnitude in [2**E, 2**(E+1))
-    are 2**E and 2**E * 2 * octave[r] (r = 1 .. P - 1, descending in r), so the largest
-    level <= |u| is level -P*E - c, c the count of octave mantissas <= |u|'s, and the
-    smallest level >= |u| is level -P*E - P + d, d the count of octave mantissas >= |u|'s
-    (plus one when |u| is the power of two itself). Zero, subnormal and tiny |u| fall
-    below the smallest level and get the zero code's bracket; the final clamp keeps a NaN
-    u's code (its tile is never stored) in range."""
-    bits = tl.abs(u).to(tl.int32, bitcast=True)
-    e = (bits >> 23) - 127
-    m = bits & 0x7FFFFF
+def _rung(m, RUNG: tl.constexpr, PACKED: tl.constexpr, HIGHER: tl.constexpr, packed, higher):
+    """Climb one rung: where the mantissa field m reaches RUNG, take its pair."""
+    reached = m >= RUNG
+    return tl.where(reached, PACKED, packed), tl.where(reached, HIGHER, higher)
+
+
+@triton.jit
+def _ladder(x, SIGNED: tl.constexpr):
+    """For the bits x of a non-negative fp32 2**E * (1 + m / 2**23): (t, lo, hi), lo the
+    bits of the largest level <= x of the unbounded ladder octave[j % P] * 2**-(j // P),
+    which is level j = -t, and hi the bits of the next level up. The levels of magnitude
+    in [2**E, 2**(E+1)) are 2**E and 2**E * 2 * octave[r] (r = 1 .. P - 1, descending in
+    r), so lo is 2**E with the mantissa field of the highest rung m reaches (none: 0),
+    and j is -P*E - c, c that rung's count. Each rung's test serves both selections."""
+    m = x & 0x7FFFFF
     if SIGNED:
-        at_most = ((m >= _S1).to(tl.int32) + (m >= _S2).to(tl.int32) + (m >= _S3).to(tl.int32)
-                   + (m >= _S4).to(tl.int32) + (m >= _S5).to(tl.int32))
-        at_least = ((m <= _S1).to(tl.int32) + (m <= _S2).to(tl.int32) + (m <= _S3).to(tl.int32)
-                    + (m <= _S4).to(tl.int32) + (m <= _S5).to(tl.int32) + (m == 0).to(tl.int32))
-        # u > 0: the largest level j <= u is code 255 - j; u < 0: the level -level j <= u
-        # closest to it has the largest j with level j >= |u|, code j (at most 127).
-        positive = tl.maximum(255 + 6 * e + at_most, 128)
-        negative = tl.minimum(-6 * e - 6 + at_least, 127)
-        code = tl.where(u > 0, positive, tl.where(u < 0, negative, 128))
+        packed, higher = _rung(m, _SR1, _SP1, _SH1, 0, _SR1)
+        packed, higher = _rung(m, _SR2, _SP2, _SH2, packed, higher)
+        packed, higher = _rung(m, _SR3, _SP3, _SH3, packed, higher)
+        packed, higher = _rung(m, _SR4, _SP4, _SH4, packed, higher)
+        packed, higher = _rung(m, _SR5, _SP5, _SH5, packed, higher)
+        t = Q8_SIGNED_PER_OCTAVE * ((x >> 23) - 127) + (packed >> 23)
     else:
-        at_most = ((m >= _U1).to(tl.int32) + (m >= _U2).to(tl.int32) + (m >= _U3).to(tl.int32)
-                   + (m >= _U4).to(tl.int32) + (m >= _U5).to(tl.int32) + (m >= _U6).to(tl.int32))
-        code = tl.where(u > 0, tl.maximum(255 + 7 * e + at_most, 0), 0)
-    return tl.minimum(tl.maximum(code, 0), 255)
+        packed, higher = _rung(m, _UR1, _UP1, _UH1, 0, _UR1)
+        packed, higher = _rung(m, _UR2, _UP2, _UH2, packed, higher)
+        packed, higher = _rung(m, _UR3, _UP3, _UH3, packed, higher)
+        packed, higher = _rung(m, _UR4, _UP4, _UH4, packed, higher)
+        packed, higher = _rung(m, _UR5, _UP5, _UH5, packed, higher)
+        packed, higher = _rung(m, _UR6, _UP6, _UH6, packed, higher)
+        t = Q8_UNSIGNED_PER_OCTAVE * ((x >> 23) - 127) + (packed >> 23)
+    binade = x & 0x7F800000
+    return t, binade | (packed & 0x7FFFFF), binade + higher
+
+
+@triton.jit
+def _bracket(u, SIGNED: tl.constexpr):
+    """(code, lower, upper): the code of the last of the 256 ascending levels <= u, that
+    level and the next one (the same at the top code), for u in [-1, 1], from u's bits
+    alone, the same as decoding the code and the next one (kernels/q8.py's levels).
+    Positive u: the map's levels are the ladder's (code 255 - j for level j); below the
+    map's smallest positive level, u gets the zero code's bracket. Negative u (signed):
+    the level <= u closest to it is -(the smallest ladder level >= |u|), which is hi of
+    the float just below |u| (its largest level <= it is the largest level < |u|): code
+    -t - 1 for that float's t, and the next code's level is -lo; from the smallest level
+    (code 127) the next code is zero's. Zero and subnormal u fall below the smallest
+    level. A NaN u (its tile is never stored) gets some code."""
+    if SIGNED:
+        negative = u < 0
+        t, lo, hi = _ladder(tl.abs(u).to(tl.int32, bitcast=True) - negative.to(tl.int32), SIGNED)
+        positive_code = 255 + t
+        in_positive = positive_code >= 129
+        negative_code = -1 - t
+        in_negative = negative_code < 127
+        code = tl.where(negative, tl.minimum(negative_code, 127), tl.where(in_positive, positive_code, 128))
+        lower = tl.where(negative, tl.where(in_negative, hi | _SIGN, _SIGNED_SMALLEST_NEGATIVE),
+                         tl.where(in_positive, lo, 0))
+        upper = tl.where(negative, tl.where(in_negative, lo | _SIGN, 0),
+                         tl.where(in_positive, tl.minimum(hi, _ONE), _SIGNED_SMALLEST))
+    else:
+        t, lo, hi = _ladder(tl.abs(u).to(tl.int32, bitcast=True), SIGNED)
+        code = 255 + t
+        inside = (u > 0) & (code > 0)
+        code = tl.where(inside, code, 0)
+        lower = tl.where(inside, lo, 0)
+        upper = tl.where(inside, tl.minimum(hi, _ONE), _UNSIGNED_SMALLEST)
+    return code, lower.to(tl.float32, bitcast=True), upper.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -121,9 +182,7 @@ def q8_encode(v, table_ptr, word, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     e = tl.minimum(tl.maximum(e, Q8_MIN_EXPONENT), Q8_MAX_EXPONENT)
     inverse = tl.broadcast_to(tl.expand_dims(_power_of_two(-e), 2), (BLOCK_N, BLOCK_K // Q8_BLOCK, Q8_BLOCK))
     u = v * tl.reshape(inverse, (BLOCK_N, BLOCK_K))
-    code = _lower_code(u, SIGNED)
-    lower = _level(code, table_ptr, SIGNED)
-    upper = _level(tl.minimum(code + 1, 255), table_ptr, SIGNED)
+    code, lower, upper = _bracket(u, SIGNED)
     above = u - lower      # exact, and so is gap - above = upper - u (q8.py)
     gap = upper - lower
     if STOCHASTIC:
