@@ -2,20 +2,21 @@
 The format itself (levels, blocks, exponents) and its host reference are in
 ``forge_kernels.q8``; this is the same arithmetic, tile by tile.
 
-No 256-level table is read, and no log2. A level is ``octave[j % P] * 2**-(j // P)``
-(P levels per octave, ``forge_kernels.q8``), so a code's level is one read of a P-entry
-octave table (``q8.table``: 64 bytes) times a power of two; and the levels bracketing a
-value follow from the value's own fp32 bits: its exponent says which octave it lies in,
-exact integer comparisons of its mantissa with the octave's mantissas say where inside
-it, and the same comparisons select the two levels' mantissa fields, so encoding reads
-no level at all. The bracket is exact by construction (the earlier search estimated it
-from a rounded log2 and corrected the estimate with four reads of a 1 KB level table;
-on an H200 dropping those reads changed the q8 step's time by about 1 %, 4096 x 4096,
-256 tokens, its tuned config: 0.444 against 0.448 ms;
+No level table is read, and no log2. A level is ``octave[j % P] * 2**-(j // P)``
+(P levels per octave, ``forge_kernels.q8``), so a code's level is octave[j % P]'s fp32
+bits, picked from constants by selects, with j // P taken off its exponent field; and
+the levels bracketing a value follow from the value's own fp32 bits: its exponent says
+which octave it lies in, exact integer comparisons of its mantissa with the octave's
+mantissas say where inside it, and the same comparisons select the two levels' mantissa
+fields, so encoding decodes no level at all. The bracket is exact by construction (the
+earlier search estimated it from a rounded log2 and corrected the estimate with four
+reads of a 1 KB level table; on an H200 dropping those reads changed the q8 step's time
+by about 1 %, 4096 x 4096, 256 tokens, its tuned config: 0.444 against 0.448 ms;
 benchmarks/results/tuning/h200-early-loads-q8-bits.log). Building the bracket from the
 comparisons instead of decoding its two codes cut the compiled sm_90 epilogue from 452
-to 368 instructions per element (benchmarks/sass_count.py, tuned config): the q8
-epilogue is bound by instruction issue, and each decoded level cost about 25.
+to 368 instructions per element (benchmarks/sass_count.py, tuned config), and picking
+the octave from registers instead of reading it from a table to 348: the q8 epilogue is
+bound by instruction issue.
 """
 
 import numpy as np
@@ -44,21 +45,62 @@ def _power_of_two(e):
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
+def _octave_fields(per_octave: int) -> list:
+    """The fp32 bit patterns of octave[r], r = 0 .. per_octave - 1, as int32 constants."""
+    return [int(bits) for bits in octave(per_octave).view(np.int32)]
+
+
+def _reciprocal(per_octave: int) -> tuple:
+    """(M, S) with j // per_octave == (j * M) >> S for every level index j in [0, 255]:
+    a multiply and a shift instead of a signed division's correction steps."""
+    shift = 8
+    while True:
+        multiplier = -(-(1 << shift) // per_octave)
+        if all((j * multiplier) >> shift == j // per_octave for j in range(256)):
+            return multiplier, shift
+        shift += 1
+
+
+_SO0, _SO1, _SO2, _SO3, _SO4, _SO5 = (tl.constexpr(bits) for bits in _octave_fields(SIGNED_LEVELS_PER_OCTAVE))
+_UO0, _UO1, _UO2, _UO3, _UO4, _UO5, _UO6 = (tl.constexpr(bits) for bits in _octave_fields(UNSIGNED_LEVELS_PER_OCTAVE))
+_S_RECIPROCAL, _S_SHIFT = (tl.constexpr(v) for v in _reciprocal(SIGNED_LEVELS_PER_OCTAVE))
+_U_RECIPROCAL, _U_SHIFT = (tl.constexpr(v) for v in _reciprocal(UNSIGNED_LEVELS_PER_OCTAVE))
+
+
 @triton.jit
-def _level(code, table_ptr, SIGNED: tl.constexpr):
+def _magnitude_bits(j, SIGNED: tl.constexpr):
+    """The fp32 bits of level j in [0, 255] of the magnitudes, octave[j % P] * 2**-(j // P):
+    octave[j % P]'s bits with j // P taken off the exponent field (every level is a
+    normal number: the smallest is 2**(-255/7)). octave[r] is picked by a binary tree of
+    selects on r's bits, in registers: a read of the octave from memory is a gather,
+    which the compiler routed through shared memory twice (its addresses to the load's
+    layout, the values back)."""
+    if SIGNED:
+        octaves = (j * _S_RECIPROCAL) >> _S_SHIFT
+        r = j - octaves * Q8_SIGNED_PER_OCTAVE
+        odd = (r & 1) != 0
+        below_4 = tl.where((r & 2) != 0, tl.where(odd, _SO3, _SO2), tl.where(odd, _SO1, _SO0))
+        bits = tl.where((r & 4) != 0, tl.where(odd, _SO5, _SO4), below_4)
+    else:
+        octaves = (j * _U_RECIPROCAL) >> _U_SHIFT
+        r = j - octaves * Q8_UNSIGNED_PER_OCTAVE
+        odd = (r & 1) != 0
+        below_4 = tl.where((r & 2) != 0, tl.where(odd, _UO3, _UO2), tl.where(odd, _UO1, _UO0))
+        bits = tl.where((r & 4) != 0, tl.where((r & 2) != 0, _UO6, tl.where(odd, _UO5, _UO4)), below_4)
+    return bits - (octaves << 23)
+
+
+@triton.jit
+def _level(code, SIGNED: tl.constexpr):
     """The fp32 level of int32 codes in [0, 255]: level j of the magnitudes (j = 0 is 1.0)
     is octave[j % P] * 2**-(j // P), exact (forge_kernels.q8 builds them so); signed code
     i < 128 is -level i, 128 is 0, 128 + j is level 127 - j; unsigned code i >= 1 is
     level 255 - i, 0 is 0."""
     if SIGNED:
-        j = tl.where(code >= 128, 255 - code, code)
-        octaves = j // Q8_SIGNED_PER_OCTAVE
-        magnitude = tl.load(table_ptr + Q8_SIGNED_OFFSET + j - octaves * Q8_SIGNED_PER_OCTAVE) * _power_of_two(-octaves)
+        magnitude = _magnitude_bits(tl.where(code >= 128, 255 - code, code), SIGNED).to(tl.float32, bitcast=True)
         value = tl.where(code > 128, magnitude, tl.where(code < 128, -magnitude, 0.0))
     else:
-        j = 255 - code
-        octaves = j // Q8_UNSIGNED_PER_OCTAVE
-        magnitude = tl.load(table_ptr + Q8_UNSIGNED_OFFSET + j - octaves * Q8_UNSIGNED_PER_OCTAVE) * _power_of_two(-octaves)
+        magnitude = _magnitude_bits(255 - code, SIGNED).to(tl.float32, bitcast=True)
         value = tl.where(code > 0, magnitude, 0.0)
     return value
 
@@ -68,7 +110,7 @@ def q8_decode(codes_ptr, exp_ptr, table_ptr, idx, eidx, mask, SIGNED: tl.constex
     """fp32 values of the codes at ``idx``, each with its block's exponent at ``eidx``."""
     code = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.int32)
     e = tl.load(exp_ptr + eidx, mask=mask, other=0).to(tl.int32)
-    return _level(code, table_ptr, SIGNED) * _power_of_two(e)
+    return _level(code, SIGNED) * _power_of_two(e)
 
 
 def _rungs(per_octave: int) -> list:
