@@ -45,8 +45,8 @@ SWEEP = [(16, 128, 4, 1, None), (32, 128, 4, 1, None), (32, 128, 8, 1, None), (6
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
-def _synthetic_gradient_epilogue_kernel(w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
-                                        flag_ptr, status_ptr, N, K, KB, row0, col0, global_k, grad_scale,
+def _synthetic_gradient_epilogue_kernel(w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr,
+                                        status_ptr, N, K, KB, row0, col0, global_k, grad_scale,
                                         h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
                                         RULE: tl.constexpr, VARIANT: tl.constexpr,
                                         HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
@@ -62,7 +62,7 @@ def _synthetic_gradient_epilogue_kernel(w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e
     g = (offs_k[None, :] - offs_n[:, None]).to(tl.float32) * 1e-7
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
-    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr,
                    pid_n * tl.num_programs(1) + pid_k, offs_n, offs_n < N, pid_k * BLOCK_K, K, KB, row0, col0,
                    global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
@@ -90,7 +90,7 @@ def synthetic_step(layer, state, entry):
     config = fk.TileConfig(block_n, block_k, 64, warps, 1, maxnreg, split)
     e = _Epilogue(layer.w, state, bu.rule(), 1, config, None, 0, 1.0, None)
     n, k = e.shape
-    args = (layer.w, *e.slot_tensors, *e.exponent_tensors, e.table, e.flags, e.status, n, k, e.blocks_per_row,
+    args = (layer.w, *e.slot_tensors, *e.exponent_tensors, e.flags, e.status, n, k, e.blocks_per_row,
             *e.place, e.grad_scale, *e.scalars, e.seed, *e.device_scalars)
 
     def step():

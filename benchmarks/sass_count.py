@@ -50,7 +50,7 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool):
     rule = fk.AdamW()
     signature = dict(x_ptr="*bf16", dy_ptr="*bf16", w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}",
                      s2_ptr=f"*{weight}", e0_ptr=f"*{exponents}", e1_ptr=f"*{exponents}", e2_ptr=f"*{weight}",
-                     table_ptr="*fp32" if regime == "q8" else f"*{weight}", flag_ptr="*i32", status_ptr="*i32",
+                     flag_ptr="*i32", status_ptr="*i32",
                      T="i32", N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32",
                      stride_xt="i32", stride_xk="constexpr", stride_dyt="i32", stride_dyn="constexpr",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64",

@@ -35,8 +35,6 @@ is compared with, code for code; ``encode`` takes the Philox words as an argumen
 that this package needs no random-number reference of its own.
 """
 
-import functools
-
 import numpy as np
 import torch
 
@@ -76,26 +74,6 @@ def _levels(signed: bool) -> np.ndarray:
 
 SIGNED_LEVELS = _levels(signed=True)
 UNSIGNED_LEVELS = _levels(signed=False)
-
-
-#: Where each map's octave starts in the kernels' table (``table``): signed, then unsigned.
-OCTAVE_TABLE_OFFSETS = {True: 0, False: 8}
-
-
-@functools.lru_cache(maxsize=None)
-def _table_on(device: torch.device) -> torch.Tensor:
-    octaves = np.zeros(16, dtype=np.float32)
-    for signed, per_octave in ((True, SIGNED_LEVELS_PER_OCTAVE), (False, UNSIGNED_LEVELS_PER_OCTAVE)):
-        offset = OCTAVE_TABLE_OFFSETS[signed]
-        octaves[offset:offset + per_octave] = octave(per_octave)
-    return torch.from_numpy(octaves).to(device)
-
-
-def table(device) -> torch.Tensor:
-    """The kernels' table on ``device``, copied there once (not a host-to-device copy per
-    step): 16 fp32, each map's octave (``octave``) at its ``OCTAVE_TABLE_OFFSETS``. A
-    kernel builds level j as octave[j % P] * 2**-(j // P), as ``_powers`` does."""
-    return _table_on(torch.device(device))
 
 
 def exponent_shape(shape) -> tuple:

@@ -152,10 +152,10 @@ def test_checkpoint_resume_takes_the_identical_next_step(state_format, device):
 
 
 @triton.jit
-def _encode_tile_kernel(v_ptr, codes_ptr, exp_ptr, table_ptr, seed, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
+def _encode_tile_kernel(v_ptr, codes_ptr, exp_ptr, seed, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
                         ROWS: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    codes, exponents = q8_encode(tl.load(v_ptr + offs), table_ptr, tl.randint(seed, offs.to(tl.uint32)), ROWS, 32,
+    codes, exponents = q8_encode(tl.load(v_ptr + offs), tl.randint(seed, offs.to(tl.uint32)), ROWS, 32,
                                  SIGNED, STOCHASTIC)
     tl.store(codes_ptr + offs, codes)
     tl.store(exp_ptr + tl.arange(0, ROWS), tl.reshape(exponents, (ROWS,)))
@@ -185,8 +185,8 @@ def _boundary_values(signed: bool) -> torch.Tensor:
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, rounding, device):
     """The kernel finds the bracketing levels from the value's fp32 bits (octave from the
-    exponent, place in it by mantissa comparisons) and builds them from a one-octave
-    table; at each level, its fp32 neighbours, the midpoints and below the smallest level
+    exponent, place in it by mantissa comparisons, which also select the levels' mantissa
+    fields); at each level, its fp32 neighbours, the midpoints and below the smallest level
     it must still give the host reference's code (which uses a plain sorted search of the
     256 levels)."""
     values = _boundary_values(signed)
@@ -194,8 +194,8 @@ def test_kernel_encoding_at_every_level_boundary_equals_the_host(signed, roundin
     codes = torch.empty(values.shape, dtype=torch.uint8, device=device)
     exponents = torch.empty(rows, dtype=torch.int8, device=device)
     stochastic = rounding == "stochastic"
-    _encode_tile_kernel[(1,)](values.to(device), codes, exponents, q8.table(device), seed, SIGNED=signed,
-                              STOCHASTIC=stochastic, ROWS=rows)
+    _encode_tile_kernel[(1,)](values.to(device), codes, exponents, seed, SIGNED=signed, STOCHASTIC=stochastic,
+                              ROWS=rows)
     words = philox_randint(seed, np.arange(values.numel())) if stochastic else None
     expected_codes, expected_exponents = q8.encode(values, signed=signed, random_words=words)
     assert_bitwise_equal(codes.cpu(), expected_codes, "codes")
@@ -238,24 +238,24 @@ def test_kernel_bracket_equals_the_host_levels(signed, device):
 
 
 @triton.jit
-def _decode_kernel(codes_ptr, exp_ptr, table_ptr, out_ptr, SIGNED: tl.constexpr, ROWS: tl.constexpr):
+def _decode_kernel(codes_ptr, exp_ptr, out_ptr, SIGNED: tl.constexpr, ROWS: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * 256 + tl.arange(0, 256)[None, :]
     rows = tl.arange(0, ROWS)[:, None] * 8 + (tl.arange(0, 256) // 32)[None, :]
-    tl.store(out_ptr + offs, q8_decode(codes_ptr, exp_ptr, table_ptr, offs, rows, offs >= 0, SIGNED))
+    tl.store(out_ptr + offs, q8_decode(codes_ptr, exp_ptr, offs, rows, offs >= 0, SIGNED))
 
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_kernel_decodes_every_code_as_the_host(signed, device):
     """Every one of the 256 codes under the extreme and middle block exponents decodes in
-    the kernel (a one-octave table times powers of two) to the host's level table value."""
+    the kernel (one octave's fp32 bits, the octave count off their exponent field, times
+    the block's power of two) to the host's level table value."""
     exponents = torch.tensor([q8.MIN_EXPONENT, -1, 0, 5, q8.MAX_EXPONENT], dtype=torch.int8)
     rows = 8
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(rows, 1)
     block_exponents = exponents[torch.arange(rows * 8) % exponents.numel()].reshape(rows, 8)
     out = torch.empty(rows, 256, device=device)
-    _decode_kernel[(1,)](codes.to(device), block_exponents.to(device), q8.table(device), out, SIGNED=signed,
-                         ROWS=rows)
+    _decode_kernel[(1,)](codes.to(device), block_exponents.to(device), out, SIGNED=signed, ROWS=rows)
     assert_bitwise_equal(out.cpu(), q8.decode(codes, block_exponents, signed=signed), "decoded levels")
 
 

@@ -44,12 +44,12 @@ def _to_storage(v, word, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _load_slot(s_ptr, e_ptr, table_ptr, idx, eidx, mask, zeros,
+def _load_slot(s_ptr, e_ptr, idx, eidx, mask, zeros,
                HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr):
     value = zeros
     if HAS:
         if Q8:
-            value = q8_decode(s_ptr, e_ptr, table_ptr, idx, eidx, mask, SIGNED)
+            value = q8_decode(s_ptr, e_ptr, idx, eidx, mask, SIGNED)
         else:
             value = tl.load(s_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     return value
@@ -65,13 +65,13 @@ def _slot_is_storable(v, Q8: tl.constexpr):
 
 
 @triton.jit
-def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, word,
+def _store_slot(s_ptr, e_ptr, v, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, word,
                 HAS: tl.constexpr, Q8: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store a slot already in its storage dtype (fp32 or bf16), or q8-encode and store it."""
     if HAS:
         if Q8:
-            codes, exponents = q8_encode(tl.where(mask, v, 0.0), table_ptr, word, BLOCK_N, BLOCK_K,
+            codes, exponents = q8_encode(tl.where(mask, v, 0.0), word, BLOCK_N, BLOCK_K,
                                          SIGNED, STOCHASTIC)
             tl.store(s_ptr + idx, codes, mask=keep)
             offs_kb = k0 // Q8_BLOCK + tl.arange(0, BLOCK_K // Q8_BLOCK)
@@ -82,7 +82,7 @@ def _store_slot(s_ptr, e_ptr, table_ptr, v, idx, offs_n, mask_n, k0, KB, keep, m
 
 
 @triton.jit
-def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
+def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -130,9 +130,9 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     counter = ((offs_n + row0).to(tl.int64)[:, None] * global_k + (offs_k + col0)[None, :]).to(tl.uint32)
     w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     zeros = tl.zeros_like(w)
-    s0 = _load_slot(s0_ptr, e0_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0)
-    s1 = _load_slot(s1_ptr, e1_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0)
-    s2 = _load_slot(s2_ptr, e2_ptr, table_ptr, idx, eidx, mask, zeros, HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0)
+    s0 = _load_slot(s0_ptr, e0_ptr, idx, eidx, mask, zeros, HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0)
+    s1 = _load_slot(s1_ptr, e1_ptr, idx, eidx, mask, zeros, HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0)
+    s2 = _load_slot(s2_ptr, e2_ptr, idx, eidx, mask, zeros, HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0)
     w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
     r0 = counter  # placeholders: nearest rounding and fp32 stores draw nothing
     r1 = counter
@@ -156,18 +156,18 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
     keep = mask & ((idx * 0 + tile_ok) != 0)
     tl.store(w_ptr + idx, w, mask=keep)
-    _store_slot(s0_ptr, e0_ptr, table_ptr, s0, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r1,
+    _store_slot(s0_ptr, e0_ptr, s0, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r1,
                 HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    _store_slot(s1_ptr, e1_ptr, table_ptr, s1, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r2,
+    _store_slot(s1_ptr, e1_ptr, s1, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r2,
                 HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    _store_slot(s2_ptr, e2_ptr, table_ptr, s2, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r3,
+    _store_slot(s2_ptr, e2_ptr, s2, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r3,
                 HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
     tl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
     tl.store(flag_ptr + tile_id, num_bad)
 
 
 @triton.jit
-def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
+def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -184,7 +184,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
     loaded together (fp32 AdamW compiled on an H200: 255 registers and 2.4 KB of
     spills); a quarter at a time fits (206, none)."""
     if SPLIT == 1:
-        _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
+        _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                        offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
                        seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                        ALIGNED_PAIRS, BLOCK_N, BLOCK_K)
@@ -196,7 +196,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
         for half in tl.static_range(2):
             g_half = left if half == 0 else right
             if SPLIT == 2:
-                _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
+                _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr,
                                tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0, col0, global_k,
                                grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1,
                                HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N, HALF)
@@ -204,7 +204,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, tab
                 first, second = tl.split(tl.permute(tl.reshape(g_half, (BLOCK_N, 2, QUARTER)), (0, 2, 1)))
                 for part in tl.static_range(2):
                     _rule_epilogue(first if part == 0 else second, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr,
-                                   e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id * 4 + half * 2 + part, offs_n,
+                                   e2_ptr, flag_ptr, status_ptr, tile_id * 4 + half * 2 + part, offs_n,
                                    mask_n,
                                    k0 + half * HALF + part * QUARTER, K, KB, row0, col0, global_k, grad_scale,
                                    h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2,
@@ -221,8 +221,8 @@ def _device_scalars(scalars_ptr, seed_ptr):
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
-def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr,
-                                flag_ptr, status_ptr, T, N, K, KB, row0, col0, global_k,
+def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr,
+                                status_ptr, T, N, K, KB, row0, col0, global_k,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
                                 h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
@@ -242,7 +242,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
-    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
@@ -250,7 +250,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
-def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr,
+def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr,
                        N, K, KB,
                        row0, col0, global_k, grad_scale,
                        h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
@@ -270,7 +270,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
-    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, table_ptr, flag_ptr, status_ptr, tile_id,
+    _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
@@ -348,7 +348,6 @@ class _Epilogue:
         self.slot_tensors = [state[name] if name is not None else weight for name in layout]
         self.exponent_tensors = [state[name + q8.EXPONENT_SUFFIX] if q8_state and name is not None else weight
                                  for name in layout]
-        self.table = q8.table(weight.device) if q8_state else weight
         self.rule_args = dict(
             RULE=rule.update, VARIANT=rule.variant,
             HAS_S0=layout[0] is not None, HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None,
@@ -369,8 +368,8 @@ class _Epilogue:
     def apply(self, grad, weight):
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
         N, K = self.shape
-        _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.table,
-                                      self.flags, self.status, N, K, self.blocks_per_row, *self.place,
+        _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.flags,
+                                      self.status, N, K, self.blocks_per_row, *self.place,
                                       self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       SPLIT=self.config.epilogue_split, **self.config.launch_options())
@@ -390,7 +389,7 @@ class _Epilogue:
             from . import hopper_update  # Gluon: imported only where it runs
             return hopper_update.launch(self, x, dy, weight)
         return _fused_weight_update_kernel[self.grid](
-            x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.table, self.flags, self.status, T, N, K,
+            x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,

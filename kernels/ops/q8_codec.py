@@ -23,8 +23,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ..q8 import (BLOCK, MAX_EXPONENT, MIN_EXPONENT, OCTAVE_TABLE_OFFSETS, RANDOM_BITS, SIGNED_LEVELS,
-                  SIGNED_LEVELS_PER_OCTAVE, UNSIGNED_LEVELS, UNSIGNED_LEVELS_PER_OCTAVE, octave)
+from ..q8 import (BLOCK, MAX_EXPONENT, MIN_EXPONENT, RANDOM_BITS, SIGNED_LEVELS, SIGNED_LEVELS_PER_OCTAVE,
+                  UNSIGNED_LEVELS, UNSIGNED_LEVELS_PER_OCTAVE, octave)
 
 Q8_BLOCK = tl.constexpr(BLOCK)
 Q8_MIN_EXPONENT = tl.constexpr(MIN_EXPONENT)
@@ -35,8 +35,6 @@ Q8_RANDOM_BITS = tl.constexpr(RANDOM_BITS)
 Q8_RANDOM_SCALE = tl.constexpr(float(2**RANDOM_BITS))
 Q8_SIGNED_PER_OCTAVE = tl.constexpr(SIGNED_LEVELS_PER_OCTAVE)
 Q8_UNSIGNED_PER_OCTAVE = tl.constexpr(UNSIGNED_LEVELS_PER_OCTAVE)
-Q8_SIGNED_OFFSET = tl.constexpr(OCTAVE_TABLE_OFFSETS[True])
-Q8_UNSIGNED_OFFSET = tl.constexpr(OCTAVE_TABLE_OFFSETS[False])
 
 
 @triton.jit
@@ -106,7 +104,7 @@ def _level(code, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def q8_decode(codes_ptr, exp_ptr, table_ptr, idx, eidx, mask, SIGNED: tl.constexpr):
+def q8_decode(codes_ptr, exp_ptr, idx, eidx, mask, SIGNED: tl.constexpr):
     """fp32 values of the codes at ``idx``, each with its block's exponent at ``eidx``."""
     code = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.int32)
     e = tl.load(exp_ptr + eidx, mask=mask, other=0).to(tl.int32)
@@ -213,8 +211,8 @@ def _bracket(u, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def q8_encode(v, table_ptr, word, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
+def q8_encode(v, word, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNED: tl.constexpr,
+              STOCHASTIC: tl.constexpr):
     """(codes uint8 (BLOCK_N, BLOCK_K), exponents int8 (BLOCK_N, BLOCK_K // 32)) of an fp32 tile
     whose lanes outside the matrix hold 0; stochastic codes decide with the top bits of
     each element's random uint32 ``word``."""
