@@ -34,7 +34,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkout import forge_kernels  # noqa: E402
@@ -43,7 +42,8 @@ fk = forge_kernels()
 from forge_kernels.ops.finite_check import STATUS_WORDS, is_finite  # noqa: E402
 from forge_kernels.ops.stochastic_round import stream_seed  # noqa: E402
 from forge_kernels.ops.fused_weight_update import _BAD_TILES, _to_storage  # noqa: E402
-from forge_kernels.ops.hopper_update import _epilogue_layout, _words  # noqa: E402
+from forge_kernels.ops.hopper_update import (_epilogue_layout, _operand_descriptor, _tile_descriptor,  # noqa: E402
+                                             _words)
 
 
 @gluon.jit
@@ -74,7 +74,7 @@ def _rule_and_round(g, w, m, v, off_n, off_k, N, K, global_k, h0, h1, h2, h3, h4
 
 
 @gluon.jit
-def _hopper_update_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, flag_ptr, status_ptr, T, N, K, global_k,
+def _one_partition_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, flag_ptr, status_ptr, T, N, K, global_k,
                           h0, h1, h2, h3, h4, h5, h6, h7, seed,
                           RULE: gl.constexpr, VARIANT: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                           STOCHASTIC: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -150,18 +150,6 @@ def _hopper_update_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, flag_ptr, sta
     tma.store_wait(pendings=0)
 
 
-def _descriptor(t, block):
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float32
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor.from_tensor(t, block, layout)
-
-
-def _plain_descriptor(t, block):
-    """Weight and state tiles: unswizzled, read row by row in the epilogue."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=2)
-    return TensorDescriptor.from_tensor(t, block, layout)
-
-
 class HopperStep:
     """One AdamW step of the Gluon kernel on (x, dy, w, state); host scalars."""
 
@@ -171,9 +159,9 @@ class HopperStep:
         N = w.shape[0]
         self.grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
         self.words = torch.zeros(STATUS_WORDS + self.grid[0] * self.grid[1], dtype=torch.int32, device=w.device)
-        self.args = (_descriptor(dy, [block_t, block_n]), _descriptor(x, [block_t, block_k]),
-                     _plain_descriptor(w, [block_n, block_k]), _plain_descriptor(state["exp_avg"], [block_n, block_k]),
-                     _plain_descriptor(state["exp_avg_sq"], [block_n, block_k]),
+        self.args = (_operand_descriptor(dy, [block_t, block_n]), _operand_descriptor(x, [block_t, block_k]),
+                     _tile_descriptor(w, [block_n, block_k]), _tile_descriptor(state["exp_avg"], [block_n, block_k]),
+                     _tile_descriptor(state["exp_avg_sq"], [block_n, block_k]),
                      self.words[STATUS_WORDS:], self.words[:STATUS_WORDS], T, N, K, K,
                      *rule.scalars(step), stream_seed(seed, step))
         self.meta = dict(RULE=rule.update, VARIANT=rule.variant, W_BF16=w.dtype == torch.bfloat16,
@@ -181,7 +169,7 @@ class HopperStep:
                          NUM_STAGES=stages, num_warps=warps, enable_fp_fusion=False)
 
     def __call__(self):
-        return _hopper_update_kernel[self.grid](*self.args, **self.meta)
+        return _one_partition_kernel[self.grid](*self.args, **self.meta)
 
 
 def _same_bits(pairs) -> bool:
@@ -211,7 +199,8 @@ def main():
     parser.add_argument("--shapes", default="4096x4096")
     parser.add_argument("--tokens", default="256,1024")
     parser.add_argument("--regimes", default="fp32,bf16-sr")
-    parser.add_argument("--variants", default="64,64,64,3,4;64,64,64,4,4;64,64,64,2,4;64,128,64,3,4;128,64,64,3,8;64,128,64,3,8")
+    parser.add_argument("--variants", default="64,64,64,3,4;64,64,64,4,4;64,64,64,2,4;64,64,64,3,8;"
+                                              "128,64,64,3,8;64,128,64,3,8")
     args = parser.parse_args()
     import bench_update as bu
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -229,7 +218,8 @@ def main():
                 rows = []
                 found = bu.methods(layer, regime, fk.TileConfig(*tuned_config))
                 for name in ("torch", "torch captured", "forge kernel"):
-                    rows.append((name, str(tuned_config) if name == "forge kernel" else "", bu.timed(found[name])[0], ""))
+                    config = str(tuned_config) if name == "forge kernel" else ""
+                    rows.append((name, config, bu.timed(found[name])[0], ""))
                 for variant in variants if t > 0 else ():  # a TMA descriptor needs a nonempty x and dy
                     try:
                         same = compare(layer, r, variant, [(64, 64, 64, 4, 3), tuned_config])

@@ -1,8 +1,10 @@
 """The Hopper kernel (``TileConfig(kernel="hopper")``) computes the portable kernel's
-function bit for bit: for every rule, storage regime and rounding, on shapes with ragged
-edges, at an offset in a larger weight, with a gradient scale, with device scalars inside
-a CUDA graph, and through the non-finite paths (nothing written, skipped tiles, the same
-flags). GPU-only (sm_90); what it refuses is checked everywhere."""
+function bit for bit: for every rule and slot layout, every storage regime and rounding,
+on shapes with ragged edges and on shapes with many tiles per program (both consumer
+warpgroups, their rings wrapping), at an offset in a larger weight, with a gradient
+scale, with device scalars inside a CUDA graph, and through the non-finite paths
+(nothing written, skipped tiles, the same flags). GPU-only (sm_90); what it refuses
+where it cannot run is checked everywhere."""
 
 import dataclasses
 
@@ -19,18 +21,48 @@ SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token bloc
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
     "sgd-momentum": lambda: fk.SGD(lr=0.1, momentum=0.9),
+    "sgd-nesterov": lambda: fk.SGD(lr=0.1, momentum=0.9, nesterov=True),
     "sgd": lambda: fk.SGD(lr=0.1),
     "lion": lambda: fk.Lion(lr=1e-3),
     "adagrad": lambda: fk.Adagrad(lr=0.1),
-    "rmsprop": lambda: fk.RMSprop(lr=1e-2, momentum=0.5),
+    "rmsprop": lambda: fk.RMSprop(lr=1e-2),
+    "rmsprop-momentum": lambda: fk.RMSprop(lr=1e-2, momentum=0.5),
     "rmsprop-centered": lambda: fk.RMSprop(lr=1e-2, momentum=0.5, centered=True),  # three state slots
+    "rmsprop-centered-plain": lambda: fk.RMSprop(lr=1e-2, centered=True),  # slots 0 and 2, none in 1
 }
 REGIMES = {  # name: (weight dtype, state format, rounding)
     "fp32": (torch.float32, "fp32", "nearest"),
     "bf16-sr": (torch.bfloat16, "bf16", "stochastic"),
     "bf16-nearest": (torch.bfloat16, "bf16", "nearest"),
     "fp32-weight-bf16-state": (torch.float32, "bf16", "stochastic"),
+    "fp32-weight-bf16-state-nearest": (torch.float32, "bf16", "nearest"),
+    "bf16-weight-fp32-state": (torch.bfloat16, "fp32", "stochastic"),
 }
+
+
+def _fits(config, rule_name, regime):
+    """A weight and three fp32 slots of 64x64 per consumer exceed the shared memory
+    (refused: ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``)."""
+    return not (rule_name == "rmsprop-centered" and REGIMES[regime][1] == "fp32" and config.block_k == 64)
+
+
+CASES = [(config, regime, rule_name) for config in CONFIGS for regime in REGIMES for rule_name in RULES
+         if _fits(config, rule_name, regime)]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The number of times the Gluon kernel was launched: a bits test that silently ran
+    the portable kernel on both sides would compare it with itself."""
+    from forge_kernels.ops import hopper_update
+    count = [0]
+    launch = hopper_update.launch
+
+    def counted(*args):
+        count[0] += 1
+        return launch(*args)
+    monkeypatch.setattr(hopper_update, "launch", counted)
+    return count
 
 
 def _inputs(t, n, k, w_dtype, seed=0, device="cuda"):
@@ -69,32 +101,59 @@ def _portable(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_k}x{c.block_t}x{c.num_stages}")
-@pytest.mark.parametrize("regime", REGIMES)
-@pytest.mark.parametrize("rule_name", RULES)
-def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name):
+@pytest.mark.parametrize("config, regime, rule_name", CASES,
+                         ids=[f"{c.block_k}x{c.block_t}x{c.num_stages}-{g}-{r}" for c, g, r in CASES])
+def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name, launches):
     w_dtype, state_format, rounding = REGIMES[regime]
     rule = RULES[rule_name]()
     # Ragged in every direction: 200 rows (3 full tiles of 64 and 8), 72 columns, 100 tokens.
     x, dy, w = _inputs(100, 200, 72, w_dtype)
     state = _state(rule, w, state_format)
-    if rule_name == "rmsprop-centered" and regime == "fp32" and config.block_k == 64:
-        # Weight and three fp32 slots of 64x64 per consumer exceed the multiprocessor's shared memory.
-        w_k, s_k = w.clone(), {name: value.clone() for name, value in state.items()}
-        with pytest.raises(ValueError, match="shared memory"):
-            fk.fused_weight_update(x, dy, w_k, s_k, rule, 1, config=config, rounding=rounding)
-        _assert_same((w, state), (w_k, s_k), "after the refusal")
-        return
     fast = _steps(config, rule, x, dy, w, state, rounding=rounding, seed=5)
+    assert launches[0] == 2
     _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, rounding=rounding, seed=5), "portable")
     _assert_same(fast, _steps(config, rule, x, dy, w, state, rounding=rounding, seed=5, oracle=True), "oracle")
 
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_k}x{c.block_t}x{c.num_stages}")
+@pytest.mark.parametrize("regime, rule_name", [("bf16-sr", "adamw"), ("bf16-sr", "rmsprop-centered"),
+                                               ("fp32", "sgd-momentum"), ("fp32-weight-bf16-state", "lion")])
+@pytest.mark.parametrize("col_start", [0, 5])
+def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, col_start, launches):
+    """1024 x 1152 is 288 tiles of 64 x 64 and 576 of 64 x 32: more than two per program
+    on a 132-multiprocessor GPU, so both consumers take several tiles, their barriers go
+    through several phases and their rings wrap; placed at an even or odd column of a
+    larger weight."""
+    w_dtype, state_format, rounding = REGIMES[regime]
+    rule = RULES[rule_name]()
+    x, dy, w = _inputs(160, 1024, 1152, w_dtype, seed=4)
+    state = _state(rule, w, state_format)
+    kwargs = dict(rounding=rounding, seed=11, weight_slice=fk.WeightSlice(128, col_start, (1280, 1200)))
+    fast = _steps(config, rule, x, dy, w, state, **kwargs)
+    assert launches[0] == 2
+    _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, **kwargs), "portable")
+
+
+@hopper
+@pytest.mark.gpu
+def test_hopper_kernel_refuses_a_tile_that_does_not_fit(launches):
+    """A weight and three fp32 slots of 64 x 64 per consumer: refused, nothing written."""
+    rule = RULES["rmsprop-centered"]()
+    x, dy, w = _inputs(100, 200, 72, torch.float32)
+    state = _state(rule, w, "fp32")
+    w_k, s_k = w.clone(), {name: value.clone() for name, value in state.items()}
+    with pytest.raises(ValueError, match="shared memory"):
+        fk.fused_weight_update(x, dy, w_k, s_k, rule, 1, config=CONFIGS[1])
+    _assert_same((w, state), (w_k, s_k), "after the refusal")
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS], ids=["64-token", "32-token"])
 @pytest.mark.parametrize("col_start", [0, 3])
-def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start):
+def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, launches):
     """A shard at rows 64.., columns ``col_start``.. of a larger weight, with a gradient
     scale: an odd column start splits the Philox pairs (the per-element draw)."""
     rule = fk.AdamW(lr=1e-2)
@@ -102,8 +161,9 @@ def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start):
     state = _state(rule, w, "bf16")
     where = fk.WeightSlice(64, col_start, (256, 200))
     kwargs = dict(seed=9, weight_slice=where, grad_scale=0.5)
-    _assert_same(_steps(config, rule, x, dy, w, state, **kwargs),
-                 _steps(_portable(config), rule, x, dy, w, state, **kwargs), f"slice at column {col_start}")
+    fast = _steps(config, rule, x, dy, w, state, **kwargs)
+    assert launches[0] == 2
+    _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, **kwargs), f"slice at column {col_start}")
 
 
 @hopper
@@ -207,7 +267,7 @@ def test_hopper_kernel_refuses_what_it_cannot_read():
     x, dy, w = _inputs(16, 64, 32, torch.float32)
     with pytest.raises(TypeError, match="bf16 activations"):
         fk.fused_weight_update(x.float(), dy.float(), w, rule.init_state(w), rule, 1, config=CONFIGS[0])
-    with pytest.raises(ValueError, match="q8"):
+    with pytest.raises(ValueError, match="q8 state runs on the portable kernel"):
         fk.fused_weight_update(x, dy, w.bfloat16(), rule.init_state(w.bfloat16(), "q8"), rule, 1, config=CONFIGS[0])
     rows_72_bytes_apart = torch.zeros(16, 36, dtype=torch.bfloat16, device="cuda")[:, :32]
     with pytest.raises(ValueError, match="TMA"):

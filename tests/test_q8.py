@@ -221,7 +221,7 @@ def test_kernel_bracket_equals_the_host_levels(signed, device):
     gen = np.random.default_rng(3)
     one = int(np.float32(1.0).view(np.uint32))
     drawn = (gen.integers(0, one + 1, 1 << 17, dtype=np.uint32) | (gen.integers(0, 2, 1 << 17, dtype=np.uint32) << 31))
-    values = np.concatenate([_boundary_values(True).numpy().ravel(), -_boundary_values(True).numpy().ravel(),
+    values = np.concatenate([_boundary_values(signed).numpy().ravel(), -_boundary_values(signed).numpy().ravel(),
                              drawn.view(np.float32)]).astype(np.float32)
     block = 1024
     u = np.zeros(-(-values.size // block) * block, dtype=np.float32)

@@ -1,8 +1,8 @@
 """What the Hopper kernel (``TileConfig(kernel="hopper")``, ``hopper_update``) needs, checked
 before anything is launched: every refusal says what was wrong and what runs instead.
 
-Kept apart from ``hopper_update`` so that it imports without Gluon (the CPU tier checks
-these refusals in the interpreter, where the Hopper kernel itself cannot run).
+Kept apart from ``hopper_update`` so that it imports without Gluon: on the CPU the first
+refusal (no Hopper GPU) is what the interpreter gets; the others are checked on the GPU.
 """
 
 import torch
@@ -45,6 +45,11 @@ def check_hopper_launch(x, dy, weight, slot_tensors, state_format):
     for name, t in (("x", x), ("dy", dy), ("weight", weight)):
         if t.numel():
             _check_tma_rows(name, t)
+        elif t.shape[1] * t.element_size() % TMA_ALIGNMENT:
+            # With no rows the kernel still describes a one-row stand-in of this width to TMA.
+            raise ValueError(f"the hopper kernel reads {name} by TMA, whose rows must be a multiple of "
+                             f"{TMA_ALIGNMENT} bytes; {name} has {t.shape[1]} columns of {t.element_size()} bytes "
+                             "(use the portable kernel)")
     for i, t in enumerate(slot_tensors):
         if t is not weight:
             _check_tma_rows(f"state slot {i}", t)
