@@ -33,10 +33,11 @@ def check_hopper_launch(x, dy, weight, slot_tensors, state_format):
         raise RuntimeError(f"TileConfig(kernel='hopper') needs compute capability 9.x (Hopper); {weight.device} is "
                            f"{major}.{minor}: use kernel='portable'")
     try:
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
-    except ImportError as error:
-        raise RuntimeError(f"TileConfig(kernel='hopper') is written in Triton's Gluon, which this Triton lacks "
-                           f"({error}); use kernel='portable'") from error
+        # The kernel module itself: it needs the Gluon names it was written against (triton 3.6), not just Gluon.
+        from . import hopper_update  # noqa: F401
+    except (ImportError, AttributeError) as error:
+        raise RuntimeError(f"TileConfig(kernel='hopper') is written in Triton's Gluon, and this Triton lacks what "
+                           f"it uses ({error}); use kernel='portable'") from error
     if state_format == "q8":
         raise ValueError("the hopper kernel keeps fp32 or bf16 state; q8 state runs on the portable kernel")
     if x.dtype != torch.bfloat16:
