@@ -1,6 +1,7 @@
 """A/B probe: the fused kernel of this tree against the same kernel of another tree (a
 copy of its ``kernels/`` folder, imported as a second package), launched alone on the
-same inputs in the same process; medians of ``do_bench`` (L2 flushed), each config
+same inputs in the same process; medians of ``do_bench`` (L2 flushed) over CUDA-graph
+replays of the kernel alone, each config
 checked fused == oracle bitwise in this tree first. A diagnostic for one kernel change
 (e.g. the Philox draw), not the benchmark table (that is ``bench_update.py``).
 
@@ -64,11 +65,12 @@ def main():
                     bu.check_fused_equals_oracle(n, k, 512, regime, config)
                     layer = bu.Layer(n, k, t, regime)
                     floor = bu.floor_ms(n, k, t, regime, 4.25e12, 684e12)
-                    # Alternated, twice each, so drift between timings falls on both trees alike.
+                    # Alternated, twice each, so drift between timings falls on both trees alike;
+                    # replayed from a CUDA graph, so a launch's host cost cannot stand in for its time.
                     new_ms, old_ms = [], []
                     for _ in range(2):
-                        new_ms.append(bu.timed(kernel_step(fk, layer, candidate))[0])
-                        old_ms.append(bu.timed(kernel_step(old, layer, candidate))[0])
+                        new_ms.append(bu.timed(bu.capture(kernel_step(fk, layer, candidate))[0].replay)[0])
+                        old_ms.append(bu.timed(bu.capture(kernel_step(old, layer, candidate))[0].replay)[0])
                     print(f"ab {n}x{k} T={t:5d} {regime:7s} {str(candidate):30s} "
                           f"old {old_ms[0]:.4f} / {old_ms[1]:.4f} ms  new {new_ms[0]:.4f} / {new_ms[1]:.4f} ms  "
                           f"old/new {min(old_ms) / min(new_ms):.3f}  new/floor(4.25TB/s) {min(new_ms) / floor:.2f}",
