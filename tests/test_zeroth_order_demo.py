@@ -22,8 +22,14 @@ def test_zo_demo_runs_and_reports_what_it_compared(tmp_path, capsys):
         assert math.isfinite(run["held_out_loss"]) and run["memory_bytes"] > 0, method
         assert f"| {method} | {run['forwards']} |" in printed
     assert result["runs"]["GRZO"]["forwards"] == result["runs"]["MeZO"]["forwards"] == 6
-    # AdamW keeps gradients and two moments besides the parameters; GRZO and MeZO keep none
-    assert result["runs"]["AdamW"]["memory_bytes"] > 3 * result["runs"]["GRZO"]["memory_bytes"]
+    adamw, grzo = result["runs"]["AdamW"]["memory_bytes"], result["runs"]["GRZO"]["memory_bytes"]
+    if result["device"] == "CPU":
+        # The kept state: AdamW keeps gradients and two moments besides the parameters; GRZO and MeZO keep none.
+        assert adamw > 3 * grzo
+    else:
+        # The peak, where this tiny model's activations and draws weigh as much as its
+        # parameters (H200: 355,840 against 210,432 bytes): only the order is claimed.
+        assert adamw > grzo
 
 
 def test_zo_demo_refuses_a_batch_of_one(tmp_path):

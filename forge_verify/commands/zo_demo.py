@@ -12,8 +12,9 @@ shares: it is called with arange(T), not batched); everything else trains.
 
 The training loss of a zeroth-order step is the mean of its two perturbed losses (no
 extra forward); the held-out loss is measured after training on batches none of the runs
-saw. Memory: on a GPU the peak allocated bytes of each run
-(``torch.cuda.max_memory_allocated``); on the CPU the state each method keeps, counted
+saw. Memory: on a GPU the peak allocated bytes of each run above what was allocated
+before it (``torch.cuda.max_memory_allocated``: its copy of the model, its state, its
+activations; not the base model or the batches); on the CPU the state each method keeps, counted
 from the tensors: parameters, plus gradients and the two AdamW moments for AdamW (GRZO
 and MeZO keep no state; their transient row blocks of U and z are not counted).
 """
@@ -116,11 +117,13 @@ def _stepper(method, model, config):
 
 
 def _train(method, base, config, batches, device):
-    model = copy.deepcopy(base)
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        # What was allocated before the run (the base model, every batch) is not the run's.
+        allocated_before = torch.cuda.memory_allocated()
+    model = copy.deepcopy(base)
     optimizer, step = _stepper(method, model, config)
     losses = []
     start = time.perf_counter()
@@ -129,7 +132,8 @@ def _train(method, base, config, batches, device):
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    memory = torch.cuda.max_memory_allocated() if on_gpu else _kept_bytes(method, model, optimizer)
+    memory = (torch.cuda.max_memory_allocated() - allocated_before if on_gpu
+              else _kept_bytes(method, model, optimizer))
     return model, {"losses": losses, "seconds": seconds, "memory_bytes": memory,
                    "forwards": FORWARDS_PER_STEP[method] * len(batches),
                    "backwards": len(batches) if method == "AdamW" else 0}
@@ -162,7 +166,8 @@ def run_zo_demo(config: ZeroOrderDemoConfig, out, device=None) -> dict:
         "trainable_parameters": sum(p.numel() for p in base.parameters() if p.requires_grad),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
         "torch": torch.__version__,
-        "memory_measure": "peak allocated bytes (torch.cuda.max_memory_allocated)" if device.type == "cuda" else
+        "memory_measure": "peak allocated bytes above those allocated before the run "
+                          "(torch.cuda.max_memory_allocated)" if device.type == "cuda" else
         "kept state counted from the tensors: parameters (+ gradients and AdamW moments for AdamW)",
         "held_out_loss_at_start": start_loss,
         "runs": runs,

@@ -55,15 +55,21 @@ def _serialize(value) -> bytes:
     return buffer.getvalue()
 
 
-def _rank_main(rank, world_size, store_path, backend, collective_timeout_s, jobs, results):
+def _rank_main(rank, world_size, store_path, backend, collective_timeout_s, start_timeout_s, jobs, results):
     os.environ.update(RANK_ENVIRONMENT)
     # The ranks share the machine's cores; each taking all of them would oversubscribe.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
+        store = dist.FileStore(store_path, world_size)
+        # Spawned ranks start seconds apart on a loaded machine; the group's connection waits
+        # with the collective timeout, so wait for every rank first, within the start's.
+        store.set_timeout(datetime.timedelta(seconds=start_timeout_s))
+        store.set(f"arrived/{rank}", "1")
+        store.wait([f"arrived/{r}" for r in range(world_size)])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
     except BaseException:
         results.put((rank, _READY, False, traceback.format_exc()))
         return
@@ -102,7 +108,7 @@ class RankPool:
         self._next_job = 0
         self._processes = mp.start_processes(
             _rank_main, args=(world_size, os.path.join(self._tmp.name, "store"), self.backend,
-                              collective_timeout_s, self._jobs, self._results),
+                              collective_timeout_s, start_timeout_s, self._jobs, self._results),
             nprocs=world_size, join=False, start_method="spawn").processes
         self._collect(_READY, start_timeout_s, "start")
 
