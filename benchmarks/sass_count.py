@@ -7,6 +7,10 @@ tokens, of which the token loop is a small part). A diagnostic for kernel change
 a machine without a GPU; times come only from the GPU.
 
     python3 benchmarks/sass_count.py [--regimes fp32,bf16-sr,q8] [--configs "64,128,64,8,3,128,2;..."]
+    python3 benchmarks/sass_count.py --regimes fp32,bf16-sr --configs "64,32,128,4,2,None,1,hopper"
+
+A config ending in ``hopper`` compiles the Hopper kernel (Gluon, ``ops/hopper_update.py``;
+fp32 and bf16 state only) instead of the portable one.
 
 Counts depend on the Triton version (the H200 image has 3.6; the CPU set-up 3.9).
 """
@@ -27,6 +31,7 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkout import forge_kernels  # noqa: E402
@@ -92,6 +97,49 @@ def ptxas_usage(ptx: str, maxnreg) -> tuple:
     return int(registers[0]) if registers else None, int(spills[0]) if spills else None
 
 
+def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
+    """The Hopper kernel for AdamW on a 4096 x 4096 weight in ``regime``, with the
+    descriptors and argument types a launch on the H200 would give it (device scalars,
+    as in a captured step)."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from forge_kernels.ops import hopper_update
+
+    if regime not in ("fp32", "bf16-sr"):
+        raise SystemExit(f"the Hopper kernel keeps fp32 or bf16 state; {regime} runs on the portable kernel")
+    block_n, block_k, block_t, _, stages = config[:5]
+    weight = torch.float32 if regime == "fp32" else torch.bfloat16
+    x, dy = (torch.empty(256, 4096, dtype=torch.bfloat16) for _ in range(2))
+    w, m, v = (torch.empty(4096, 4096, dtype=weight) for _ in range(3))
+    descriptors = [hopper_update._operand_descriptor(dy, [block_t, block_n]),
+                   hopper_update._operand_descriptor(x, [block_t, block_k])]
+    descriptors += [hopper_update._tile_descriptor(t, [block_n, block_k]) for t in (w, m, v, w)]
+    kernel = hopper_update._hopper_update_kernel
+    pointer = "*fp32" if regime == "fp32" else "*bf16"
+    signature = dict(zip(["dy_desc", "x_desc", "w_desc", "s0_desc", "s1_desc", "s2_desc"],
+                         map(mangle_type, descriptors)))
+    signature.update(w_ptr=pointer, s0_ptr=pointer, s1_ptr=pointer, s2_ptr=pointer, flag_ptr="*i32",
+                     status_ptr="*i32", T="i32", N="i32", K="i32", row0="i32", col0="i32", global_k="i32",
+                     grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr="*fp32",
+                     seed_ptr="*i64")  # a StepScalars' float32 values and int64 key
+    rule = fk.AdamW()
+    constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
+                     W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,
+                     DEVICE_SCALARS=True, NUM_STAGES=stages)
+    names = kernel.arg_names
+    signature = {name: "constexpr" if name in constants else signature[name] for name in names}
+    pointers = [i for i, name in enumerate(names) if signature[name].startswith("*")]
+    source = GluonASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                            attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, enable_fp_fusion=False)), None
+
+
+def parse_config(text: str) -> tuple:
+    """``64,128,64,8,3,128,2`` or ``64,32,128,4,2,None,1,hopper``."""
+    return tuple(None if v == "None" else v if v in ("hopper", "portable") else int(v) for v in text.split(","))
+
+
 def sass_listing(cubin: bytes) -> list:
     """The kernel's instructions, one string each, from ``cuobjdump -sass`` (trailing
     padding included). Not Triton's ``asm["sass"]``: triton 3.6's parser matches
@@ -128,17 +176,18 @@ def portable_entry(entries: dict) -> tuple:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--regimes", default="fp32,bf16-sr,q8")
-    parser.add_argument("--configs", default=None, help="';'-separated tuples of the portable kernel (default: the "
-                                                        "tuned portable config at the fewest tokens)")
+    parser.add_argument("--configs", default=None, help="';'-separated tuples, 'hopper' last for the Hopper kernel "
+                                                        "(default: the tuned portable config at the fewest tokens)")
     parser.add_argument("--nearest", action="store_true", help="round-to-nearest instead of stochastic rounding")
     args = parser.parse_args()
     tuned = json.loads((HERE / "tuned_configs.json").read_text())
     print(f"triton {triton.__version__}, sm_90, AdamW, 4096-wide weight")
     for regime in args.regimes.split(","):
-        configs = ([tuple(None if v == "None" else int(v) for v in c.split(",")) for c in args.configs.split(";")]
-                   if args.configs else [portable_entry(tuned[regime])])
+        configs = ([parse_config(c) for c in args.configs.split(";")] if args.configs
+                   else [portable_entry(tuned[regime])])
         for config in configs:
-            compiled, maxnreg = compile_sm90(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
+            compile_for = compile_hopper_sm90 if config[7:8] == ("hopper",) else compile_sm90
+            compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)
             mix = instruction_mix(sass_listing(compiled.asm["cubin"]))
             # A layout conversion between threads goes through shared memory, between barriers.
@@ -148,7 +197,7 @@ def main():
             top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
             print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
                   f"({per_element:.0f} per element per thread-lane) layout conversions {conversions} "
-                  f"barriers {mix['BAR']} | {top}", flush=True)
+                  f"barriers {mix['BAR']} wgmma {mix['HGMMA']} | {top}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ Same function, same bits: the token loop is the same wgmma instructions over the
 operands, fp32 accumulator); the epilogue calls the same rule, rounding and verdict code
 (``RULE``, ``_to_storage``, ``is_finite``) with the same Philox words (``_words`` is the
 portable ``paired_words``). Measured on an H200, fused == portable for every rule, regime
-and shape in ``tests/test_hopper_update.py``. Written against triton 3.6's Gluon; this
-module is imported only when a hopper config is launched on a GPU.
+and shape in ``tests/test_hopper_update.py``. Written against triton 3.6's Gluon (the GPU
+runs so far), it also compiles with 3.9's, which renamed two of the operations it uses
+(``tests/test_sass_count.py`` builds it for sm_90 offline in CI); this module is imported
+only when a hopper config is launched on a GPU.
 """
 
 import functools
@@ -34,6 +36,10 @@ from .finite_check import BAD_TILES, is_finite
 from .fused_weight_update import _device_scalars, _to_storage
 
 _BAD_TILES = gl.constexpr(BAD_TILES)
+# Names that Gluon changed between triton 3.6 and 3.9 (the same operations): the barrier
+# over one partition's warps, and the TMA copy of a global tile into shared memory.
+_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 # Registers per thread asked for the second consumer warpgroup (the first takes what is
 # left, the TMA warps 24 each). ptxas still allocates the kernel within 168 (65,536 over
 # three warpgroups): 64x32 tiles compile without spills, 64x64 fp32 AdamW spills 16 words.
@@ -119,20 +125,20 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
         # A fresh barrier counts as released once: waiting on the other parity passes.
         mbarrier.wait(epi_free, (visit & 1) ^ 1)
         mbarrier.expect(epi_ready, EPI_BYTES)
-        tma.async_copy_global_to_shared(w_desc, [off_n, off_k], epi_ready, w_smem)
+        _tma_load(w_desc, [off_n, off_k], epi_ready, w_smem)
         if HAS_S0:
-            tma.async_copy_global_to_shared(s0_desc, [off_n, off_k], epi_ready, s0_smem)
+            _tma_load(s0_desc, [off_n, off_k], epi_ready, s0_smem)
         if HAS_S1:
-            tma.async_copy_global_to_shared(s1_desc, [off_n, off_k], epi_ready, s1_smem)
+            _tma_load(s1_desc, [off_n, off_k], epi_ready, s1_smem)
         if HAS_S2:
-            tma.async_copy_global_to_shared(s2_desc, [off_n, off_k], epi_ready, s2_smem)
+            _tma_load(s2_desc, [off_n, off_k], epi_ready, s2_smem)
         visit += 1
         for i in range(num_t):
             stage = counter % STAGES
             mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), BLOCK_BYTES)
-            tma.async_copy_global_to_shared(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
-            tma.async_copy_global_to_shared(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
+            _tma_load(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
+            _tma_load(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
             counter += 1
 
 
@@ -180,7 +186,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
         s0 = _slot(s0_smem, zeros, HAS_S0, epi)
         s1 = _slot(s1_smem, zeros, HAS_S1, epi)
         s2 = _slot(s2_smem, zeros, HAS_S2, epi)
-        gl.thread_barrier()  # every warp of the group has read the tile before the loader reuses it
+        _partition_barrier()  # every warp of the group has read the tile before the loader reuses it
         mbarrier.arrive(epi_free)
         visit += 1
         w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
