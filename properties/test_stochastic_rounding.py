@@ -3,9 +3,11 @@ unbiased per value (binomial frequencies against the exact probability), no stag
 independent across neighbouring elements and successive streams, and defined on every
 special value.
 
-Statistical thresholds are derived in advance (proofs/stochastic_rounding.md) from
-Hoeffding's and Azuma's inequalities for a false-alarm probability below 1e-8 per
-test; seeds are fixed, so each run is deterministic.
+Statistical thresholds are fixed in advance (proofs/stochastic_rounding.md): counts of
+up-roundings are binomial exactly when the rounding is correct, so they take the exact
+binomial test (scipy's ``binomtest``); the stagnation mean takes Azuma's inequality.
+The false-alarm probability is below 1e-8 per test; seeds are fixed, so each run is
+deterministic.
 """
 
 import numpy as np
@@ -20,7 +22,7 @@ import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import rn_bf16
 from forge_verify.numerics.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
 from forge_verify.numerics.philox import stochastic_round_reference
-from forge_verify.numerics.stats import hoeffding_radius, stagnation_radius
+from forge_verify.numerics.stats import binomial_consistent, stagnation_radius
 
 
 @pytest.mark.exactness
@@ -49,14 +51,16 @@ def test_every_bf16_value_is_kept_and_every_midpoint_goes_to_a_neighbour(device)
     out = bf16_bits(fk.stochastic_round(halfway.to(device), seed=4))
     assert np.all(((out == patterns) | (out == patterns + 1))[finite])
     # Both neighbours occur: each is taken with probability exactly 1/2.
-    up = np.mean((out == patterns + 1)[finite])
-    assert abs(up - 0.5) <= hoeffding_radius(int(finite.sum()), 1e-9)
+    up = int(np.sum((out == patterns + 1)[finite]))
+    assert binomial_consistent(up, int(finite.sum()), 0.5, 1e-9), (up, int(finite.sum()))
 
 
 @pytest.mark.stats
 def test_round_up_frequency_matches_exact_probability(device):
-    """For 64 values with known discarded fractions f / 2**16, the share of 2**16
-    samples rounded away from zero is within a Hoeffding radius of f / 2**16."""
+    """For 64 values with known discarded fractions f / 2**16, the count of 2**16
+    samples rounded away from zero passes the exact binomial test against f / 2**16
+    (each value at 1e-9 / 64): at f = 1 that allows at most 13 up-roundings in 65,536,
+    where a Hoeffding radius would allow about 900."""
     rng = np.random.default_rng(0)
     fractions = np.concatenate([[1, 2**15, 2**16 - 1], rng.integers(0, 2**16, 61)]).astype(np.uint32)
     # Any sign and exponent, finite, and not the largest finite magnitude (whose up-rounding is inf).
@@ -65,12 +69,12 @@ def test_round_up_frequency_matches_exact_probability(device):
     samples = 2**16
     values = fp32_from_bits(np.repeat((heads << 16) | fractions, samples))
     out = bf16_bits(fk.stochastic_round(values.to(device), seed=11)).reshape(fractions.size, samples)
-    up = (out == (heads + 1)[:, None]).mean(axis=1)
-    stay = (out == heads[:, None]).mean(axis=1)
-    assert np.all(up + stay == 1.0)
-    radius = hoeffding_radius(samples, 1e-9 / fractions.size)
-    worst = np.abs(up - fractions / 2**16).max()
-    assert worst <= radius, f"largest deviation {worst:.5f} exceeds the Hoeffding radius {radius:.5f}"
+    up = (out == (heads + 1)[:, None]).sum(axis=1)
+    stay = (out == heads[:, None]).sum(axis=1)
+    assert np.all(up + stay == samples)
+    rejected = [(int(f), int(k)) for f, k in zip(fractions, up)
+                if not binomial_consistent(int(k), samples, int(f) / 2**16, 1e-9 / fractions.size)]
+    assert not rejected, f"(fraction * 2**16, up-roundings of {samples}) failing the exact binomial test: {rejected}"
 
 
 @pytest.mark.stats
@@ -96,18 +100,18 @@ def test_no_stagnation(device):
 @pytest.mark.stats
 def test_neighbours_and_successive_streams_are_uncorrelated(device):
     """Up-rounding indicators of a value with probability 1/2: over disjoint pairs, the
-    share of pairs rounded up together is 1/4 within a Hoeffding radius, for adjacent
-    elements and for the same element under successive seeds (as successive steps use)."""
+    count of pairs rounded up together passes the exact binomial test against 1/4, for
+    adjacent elements and for the same element under successive seeds (as successive
+    steps use); the count of single up-roundings against 1/2."""
     n = 2**16
     half = fp32_from_bits(np.full(n, (0x3F80 << 16) | 0x8000, dtype=np.uint32)).to(device)
     first = bf16_bits(fk.stochastic_round(half, seed=99)) == 0x3F81
     second = bf16_bits(fk.stochastic_round(half, seed=100)) == 0x3F81
-    radius = hoeffding_radius(n // 2, 1e-9)
-    together_adjacent = np.mean(first[0::2] & first[1::2])
-    together_successive = np.mean(first[0::2] & second[0::2])
-    assert abs(together_adjacent - 0.25) <= radius
-    assert abs(together_successive - 0.25) <= radius
-    assert abs(first.mean() - 0.5) <= hoeffding_radius(n, 1e-9)
+    together_adjacent = int(np.sum(first[0::2] & first[1::2]))
+    together_successive = int(np.sum(first[0::2] & second[0::2]))
+    assert binomial_consistent(together_adjacent, n // 2, 0.25, 1e-9), together_adjacent
+    assert binomial_consistent(together_successive, n // 2, 0.25, 1e-9), together_successive
+    assert binomial_consistent(int(first.sum()), n, 0.5, 1e-9), int(first.sum())
 
 
 @pytest.mark.exactness

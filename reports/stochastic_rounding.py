@@ -33,7 +33,7 @@ import torch
 import forge_kernels as fk
 from forge_verify.commands.notebook import say, show, show_table
 from forge_verify.numerics.bits import bf16_bits, fp32_from_bits
-from forge_verify.numerics.stats import hoeffding_radius, stagnation_radius
+from forge_verify.numerics.stats import binomial_acceptance, binomial_consistent, hoeffding_radius, stagnation_radius
 
 SETTINGS = {
     "fast": dict(values=32, samples=2**12, chains=512, additions=1000, pairs=2**14, lags=16),
@@ -49,9 +49,11 @@ say(f"Mode **{MODE}**: {SETTINGS}; kernels "
 # ## Up-rounding frequency against the exact probability
 #
 # Values of every sign and exponent with chosen discarded fractions `f` (including
-# 1, 2¹⁵ and 2¹⁶ − 1); each is rounded `samples` times. The error bars are the
-# Hoeffding radius for that many samples, with the false-alarm budget split over the
-# values.
+# 1, 2¹⁵ and 2¹⁶ − 1); each is rounded `samples` times. A correct rounding makes each
+# value's count of up-roundings Binomial(samples, f / 2¹⁶) exactly, so the band is the
+# exact binomial test's acceptance interval (what the property test checks), with the
+# false-alarm budget split over the values; Hoeffding's radius, which holds for any
+# variables in [0, 1], is drawn beside it for scale.
 
 # %%
 rng = np.random.default_rng(0)
@@ -61,19 +63,25 @@ heads = heads[((heads & 0x7F80) != 0x7F80) & ((heads & 0x7FFF) != 0x7F7F)][:frac
 n = SETTINGS["samples"]
 values = fp32_from_bits(np.repeat((heads << 16) | fractions, n))
 out = bf16_bits(fk.stochastic_round(values.to(DEVICE), seed=11)).reshape(fractions.size, n)
-up = (out == (heads + 1)[:, None]).mean(axis=1)
+counts = (out == (heads + 1)[:, None]).sum(axis=1)
+up = counts / n
 exact = fractions / 2**16
 radius = hoeffding_radius(n, FALSE_ALARM / fractions.size)
 worst = np.abs(up - exact).max()
+band = np.array([binomial_acceptance(n, float(p), FALSE_ALARM / fractions.size) for p in exact]) / n - exact[:, None]
+passed = [binomial_consistent(int(k), n, float(p), FALSE_ALARM / fractions.size) for k, p in zip(counts, exact)]
+order = np.argsort(exact)
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
 left.plot([0, 1], [0, 1], color="grey", lw=1, label="exact: f / 2¹⁶")
-left.errorbar(exact, up, yerr=radius, fmt="o", ms=3, capsize=2, label=f"measured ({n:,} samples each)")
+left.errorbar(exact, up, yerr=np.abs(band.T), fmt="o", ms=3, capsize=2, label=f"measured ({n:,} samples each)")
 left.set_xlabel("exact probability of rounding up, f / 2¹⁶")
 left.set_ylabel("measured up-rounding frequency")
 left.set_title("Frequency follows the discarded fraction")
 left.legend()
-right.axhspan(-radius, radius, color="tab:green", alpha=0.2, label=f"Hoeffding radius ±{radius:.4f}")
+right.axhspan(-radius, radius, color="tab:grey", alpha=0.12, label=f"Hoeffding radius ±{radius:.4f}")
+right.fill_between(exact[order], band[order, 0], band[order, 1], color="tab:green", alpha=0.35,
+                   label="exact binomial test's acceptance")
 right.plot(exact, up - exact, "o", ms=3)
 right.axhline(0, color="grey", lw=1)
 right.set_xlabel("exact probability of rounding up, f / 2¹⁶")
@@ -81,8 +89,9 @@ right.set_ylabel("measured − exact frequency")
 right.set_title(f"Deviation (largest {worst:.4f})")
 right.legend()
 show(fig)
-say(f"Largest deviation {worst:.5f} against the radius {radius:.5f}: "
-    f"**{'within' if worst <= radius else 'OUTSIDE'}** the threshold fixed in advance.")
+say(f"Exact binomial test: {sum(passed)} of {len(passed)} values pass at {FALSE_ALARM:g} / {len(passed)} "
+    f"(**{'all within' if all(passed) else 'NOT all within'}** the threshold fixed in advance); the largest "
+    f"deviation {worst:.5f}, against Hoeffding's looser radius {radius:.5f}.")
 
 # %% [markdown]
 # ## Stagnation: adding 1e-3 to 1.0, a thousand times, in bf16
@@ -130,25 +139,36 @@ say(f"After {additions} additions: nearest {nearest_mean[-1]:.4f}, stochastic {s
 # ## Correlation
 #
 # A value rounded up with probability exactly 1/2. If the up-rounding indicators are
-# independent, a disjoint pair is rounded up together with probability 1/4. Pairs are
-# formed at every lag between element indices (counters `i`, `i + lag`), and between
-# the same element under successive seeds (as successive steps use).
+# independent, a disjoint pair is rounded up together with probability 1/4, and the
+# number of such pairs among `pairs` disjoint ones is Binomial(pairs, 1/4). Pairs are
+# formed at every lag between element indices (counters `i`, `i + lag`; in each block of
+# 2·lag elements the first lag pair with the next lag, so no element is in two pairs),
+# and between the same element under successive seeds (as successive steps use).
 
 # %%
 pairs = SETTINGS["pairs"]
-count = 2 * pairs + SETTINGS["lags"]
+count = 2 * pairs + 2 * SETTINGS["lags"]
 half = fp32_from_bits(np.full(count, (0x3F80 << 16) | 0x8000, dtype=np.uint32)).to(DEVICE)
 first = bf16_bits(fk.stochastic_round(half, seed=99)) == 0x3F81
 second = bf16_bits(fk.stochastic_round(half, seed=100)) == 0x3F81
-pair_radius = hoeffding_radius(pairs, FALSE_ALARM)
+# The exact binomial test's acceptance for a count of pairs ~ Binomial(pairs, 1/4), as a share.
+pair_lo, pair_hi = (end / pairs for end in binomial_acceptance(pairs, 0.25, FALSE_ALARM))
 starts = np.arange(pairs) * 2
 lags = np.arange(1, SETTINGS["lags"] + 1)
-together = np.array([np.mean(first[starts] & first[starts + lag]) for lag in lags])
+
+
+def disjoint_starts(lag):
+    """The first `pairs` starts i of pairs (i, i + lag) that use each element at most once."""
+    blocks = count // (2 * lag)
+    return (np.arange(blocks)[:, None] * 2 * lag + np.arange(lag)[None, :]).ravel()[:pairs]
+
+
+together = np.array([np.mean(first[disjoint_starts(lag)] & first[disjoint_starts(lag) + lag]) for lag in lags])
 successive = np.mean(first[starts] & second[starts])
 
 fig, ax = plt.subplots(figsize=(8, 3.8))
-ax.axhspan(0.25 - pair_radius, 0.25 + pair_radius, color="tab:green", alpha=0.2,
-           label=f"independent: 1/4 ± {pair_radius:.4f} (Hoeffding, 1e-9)")
+ax.axhspan(pair_lo, pair_hi, color="tab:green", alpha=0.2,
+           label=f"independent: [{pair_lo:.4f}, {pair_hi:.4f}] (exact binomial test, 1e-9)")
 ax.plot(lags, together, "o-", ms=4, label="same stream, counters i and i + lag")
 ax.axhline(successive, color="tab:purple", ls="--", label=f"same counter, seeds 99 and 100: {successive:.4f}")
 ax.set_xlabel("lag between element indices")
@@ -161,6 +181,6 @@ rows = [("adjacent elements (lag 1)", f"{together[0]:.4f}"),
         (f"farthest from 1/4 (lag {lags[worst_lag]})", f"{together[worst_lag]:.4f}"),
         ("successive seeds", f"{successive:.4f}"), ("share rounded up (1/2 expected)", f"{first.mean():.4f}")]
 show_table(["pairs", "measured share"], rows)
-inside = np.all(np.abs(together - 0.25) <= pair_radius) and abs(successive - 0.25) <= pair_radius
-say(f"Every pair share within 1/4 ± {pair_radius:.4f}: **{'yes' if inside else 'NO'}**. Philox's independence "
+inside = all(pair_lo <= share <= pair_hi for share in [*together, successive])
+say(f"Every pair share within [{pair_lo:.4f}, {pair_hi:.4f}]: **{'yes' if inside else 'NO'}**. Philox's independence "
     "is an assumption about the generator (proofs/stochastic_rounding.md); this probes it, it does not prove it.")

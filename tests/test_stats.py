@@ -1,10 +1,13 @@
-"""The statistical thresholds: each radius makes its tail bound equal the false-alarm rate."""
+"""The statistical thresholds: each radius makes its tail bound equal the false-alarm rate;
+the exact binomial test keeps its level and is tighter where it should be."""
 
 import math
 
 import pytest
+from scipy.stats import binom
 
-from forge_verify.numerics.stats import azuma_radius, freedman_radius, hoeffding_radius
+from forge_verify.numerics.stats import (azuma_radius, binomial_acceptance, binomial_consistent, freedman_radius,
+                                        hoeffding_radius)
 
 
 def test_hoeffding_radius_meets_its_bound():
@@ -33,3 +36,44 @@ def test_bad_arguments_are_refused():
         freedman_radius(-1.0, 1.0, 1e-9)
     with pytest.raises(ValueError):
         freedman_radius(1.0, 1.0, 1.5)
+
+
+def test_binomial_test_accepts_the_expected_count_and_rejects_a_far_one():
+    assert binomial_consistent(32768, 65536, 0.5, 1e-9)
+    assert not binomial_consistent(32768 + 1500, 65536, 0.5, 1e-9)
+    assert binomial_consistent(0, 100, 0.0, 1e-9) and not binomial_consistent(1, 100, 0.0, 1e-9)
+    assert binomial_consistent(100, 100, 1.0, 1e-9) and not binomial_consistent(99, 100, 1.0, 1e-9)
+
+
+def test_binomial_test_is_tighter_than_hoeffding_at_a_small_probability():
+    """20 up-roundings in 2**16 where 1 is expected: Hoeffding's radius (about 0.014 at
+    1e-9 / 64) lets it through, the exact test does not (p-value about 2e-19)."""
+    trials, p, false_alarm = 2**16, 2**-16, 1e-9 / 64
+    assert abs(20 / trials - p) <= hoeffding_radius(trials, false_alarm)
+    assert not binomial_consistent(20, trials, p, false_alarm)
+    assert binomial_consistent(3, trials, p, false_alarm)
+
+
+def test_binomial_test_false_alarm_is_at_most_its_level():
+    """Summed exactly over Binomial(200, 0.3): the outcomes the test rejects at 0.01 carry
+    at most 0.01 of the probability (an exact test's p-value is super-uniform)."""
+    trials, p, level = 200, 0.3, 0.01
+    rejected = sum(binom.pmf(k, trials, p) for k in range(trials + 1)
+                   if not binomial_consistent(k, trials, p, level))
+    assert 0 < rejected <= level
+
+
+@pytest.mark.parametrize("args", [(5, 0, 0.5, 0.1), (-1, 10, 0.5, 0.1), (11, 10, 0.5, 0.1), (5, 10, 1.5, 0.1),
+                                  (5, 10, 0.5, 0.0)])
+def test_binomial_test_refuses_bad_arguments(args):
+    with pytest.raises(ValueError, match="0 <= successes <= trials"):
+        binomial_consistent(*args)
+
+
+@pytest.mark.parametrize("trials,p", [(65536, 0.5), (65536, 2**-16), (200, 0.3), (10, 0.999)])
+def test_binomial_acceptance_is_the_interval_the_test_passes(trials, p):
+    lo, hi = binomial_acceptance(trials, p, 1e-6)
+    assert lo <= p * trials <= hi
+    assert binomial_consistent(lo, trials, p, 1e-6) and binomial_consistent(hi, trials, p, 1e-6)
+    assert lo == 0 or not binomial_consistent(lo - 1, trials, p, 1e-6)
+    assert hi == trials or not binomial_consistent(hi + 1, trials, p, 1e-6)

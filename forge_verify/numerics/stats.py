@@ -1,6 +1,9 @@
-"""Thresholds for statistical tests, derived in advance (proofs/stochastic_rounding.md)."""
+"""Thresholds for statistical tests, derived in advance (proofs/stochastic_rounding.md),
+and the exact tests used where the statistic's distribution is known exactly."""
 
 import math
+
+from scipy.stats import binomtest
 
 
 def hoeffding_radius(samples: int, false_alarm: float) -> float:
@@ -68,3 +71,38 @@ def dkw_radius(samples: int, false_alarm: float) -> float:
     if samples <= 0 or not 0 < false_alarm < 1:
         raise ValueError("need samples > 0 and 0 < false_alarm < 1")
     return math.sqrt(math.log(2 / false_alarm) / (2 * samples))
+
+
+def binomial_consistent(successes: int, trials: int, p: float, false_alarm: float) -> bool:
+    """Whether ``successes`` out of ``trials`` is consistent with Binomial(``trials``, ``p``)
+    at ``false_alarm``: the exact two-sided binomial test (``scipy.stats.binomtest``,
+    probabilities of outcomes no likelier than the one seen) has p-value at least
+    ``false_alarm``. Exact tests' p-values are super-uniform, so a correct sampler fails
+    with probability at most ``false_alarm``; at small ``p`` the exact test is far
+    tighter than Hoeffding's radius (proofs/stochastic_rounding.md). ``p`` of 0 or 1
+    admits only the certain count."""
+    if trials <= 0 or not 0 <= successes <= trials or not 0 <= p <= 1 or not 0 < false_alarm < 1:
+        raise ValueError("need 0 <= successes <= trials, trials > 0, 0 <= p <= 1 and 0 < false_alarm < 1")
+    if p in (0.0, 1.0):
+        return successes == round(p * trials)
+    return binomtest(successes, trials, p).pvalue >= false_alarm
+
+
+def binomial_acceptance(trials: int, p: float, false_alarm: float) -> tuple[int, int]:
+    """The counts (lo, hi) that ``binomial_consistent`` passes: an interval, since the
+    rejected outcomes are the least likely ones and the binomial is unimodal; each end
+    found by bisection from the mode. For plotting the exact test's band."""
+    mode = min(trials, math.floor((trials + 1) * p))
+    if not binomial_consistent(mode, trials, p, false_alarm):
+        raise ValueError(f"no count passes at false_alarm={false_alarm}")
+
+    def edge(inside: int, outside: int) -> int:  # inside passes, outside fails (or is past the range)
+        while abs(outside - inside) > 1:
+            middle = (inside + outside) // 2
+            if binomial_consistent(middle, trials, p, false_alarm):
+                inside = middle
+            else:
+                outside = middle
+        return inside
+
+    return edge(mode, -1), edge(mode, trials + 1)
