@@ -17,6 +17,7 @@ Counts depend on the Triton version (the H200 image has 3.6; the CPU set-up 3.9)
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import re
@@ -128,16 +129,19 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
                      DEVICE_SCALARS=True, NUM_STAGES=stages)
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
-    pointers = [i for i, name in enumerate(names) if signature[name].startswith("*")]
+    # As a launch specializes them: 16-byte aligned pointers, and T, N, K (256, 4096, 4096) multiples of 16.
+    aligned = [i for i, name in enumerate(names) if signature[name].startswith("*") or name in ("T", "N", "K")]
     source = GluonASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
-                            attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+                            attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, enable_fp_fusion=False)), None
 
 
 def parse_config(text: str) -> tuple:
-    """``64,128,64,8,3,128,2`` or ``64,32,128,4,2,None,1,hopper``."""
-    return tuple(None if v == "None" else v if v in ("hopper", "portable") else int(v) for v in text.split(","))
+    """``64,128,64,8,3,128,2`` or ``64,32,128,4,2,None,1,hopper`` (quotes and spaces, as
+    the sweeps print configs, are allowed)."""
+    values = [v.strip().strip("'\"") for v in text.strip().strip("()").split(",")]
+    return tuple(None if v == "None" else v if v in ("hopper", "portable") else int(v) for v in values)
 
 
 def sass_listing(cubin: bytes) -> list:
@@ -179,6 +183,8 @@ def main():
     parser.add_argument("--configs", default=None, help="';'-separated tuples, 'hopper' last for the Hopper kernel "
                                                         "(default: the tuned portable config at the fewest tokens)")
     parser.add_argument("--nearest", action="store_true", help="round-to-nearest instead of stochastic rounding")
+    parser.add_argument("--listing-sha", action="store_true",
+                        help="also print a sha256 of the SASS instructions (the same code before and after a change)")
     args = parser.parse_args()
     tuned = json.loads((HERE / "tuned_configs.json").read_text())
     print(f"triton {triton.__version__}, sm_90, AdamW, 4096-wide weight")
@@ -186,18 +192,23 @@ def main():
         configs = ([parse_config(c) for c in args.configs.split(";")] if args.configs
                    else [portable_entry(tuned[regime])])
         for config in configs:
-            compile_for = compile_hopper_sm90 if config[7:8] == ("hopper",) else compile_sm90
+            hopper = config[7:8] == ("hopper",)
+            compile_for = compile_hopper_sm90 if hopper else compile_sm90
             compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)
-            mix = instruction_mix(sass_listing(compiled.asm["cubin"]))
+            listing = sass_listing(compiled.asm["cubin"])
+            mix = instruction_mix(listing)
             # A layout conversion between threads goes through shared memory, between barriers.
             conversions = compiled.asm["ttgir"].count("ttg.convert_layout")
             total = sum(mix.values())
-            per_element = total * config[3] * 32 / (config[0] * config[1])
+            # The Hopper kernel holds its consumer's code twice (two warpgroups, a tile each).
+            per_element = total * config[3] * 32 / (config[0] * config[1]) / (2 if hopper else 1)
             top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
             print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
                   f"({per_element:.0f} per element per thread-lane) layout conversions {conversions} "
                   f"barriers {mix['BAR']} wgmma {mix['HGMMA']} | {top}", flush=True)
+            if args.listing_sha:
+                print(f"  sass sha256 {hashlib.sha256(chr(10).join(listing).encode()).hexdigest()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def test_round_up_frequency_matches_exact_probability(device):
     """For 64 values with known discarded fractions f / 2**16, the count of 2**16
     samples rounded away from zero passes the exact binomial test against f / 2**16
     (each value at 1e-9 / 64): at f = 1 that allows at most 13 up-roundings in 65,536,
-    where a Hoeffding radius would allow about 900."""
+    where a Hoeffding radius would allow 916."""
     rng = np.random.default_rng(0)
     fractions = np.concatenate([[1, 2**15, 2**16 - 1], rng.integers(0, 2**16, 61)]).astype(np.uint32)
     # Any sign and exponent, finite, and not the largest finite magnitude (whose up-rounding is inf).

@@ -74,7 +74,10 @@ order = np.argsort(exact)
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
 left.plot([0, 1], [0, 1], color="grey", lw=1, label="exact: f / 2¹⁶")
-left.errorbar(exact, up, yerr=np.abs(band.T), fmt="o", ms=3, capsize=2, label=f"measured ({n:,} samples each)")
+# Bars around the measured share that reach the exact probability exactly when the test passes:
+# below by (hi/n - p), above by (p - lo/n).
+left.errorbar(exact, up, yerr=[band[:, 1], -band[:, 0]], fmt="o", ms=3, capsize=2,
+              label=f"measured ({n:,} samples each)")
 left.set_xlabel("exact probability of rounding up, f / 2¹⁶")
 left.set_ylabel("measured up-rounding frequency")
 left.set_title("Frequency follows the discarded fraction")
