@@ -6,9 +6,14 @@
         python3 benchmarks/profile_case.py bf16-sr stochastic 256
 
 Arguments: regime (fp32, bf16-sr, q8), rounding (stochastic, nearest, none), tokens (0
-runs the epilogue alone). 4096 x 4096, the tuned config for the token count.
+runs the epilogue alone), and optionally a config as the sweeps print it (default: the
+tuned config for the token count). 4096 x 4096.
+
+    ncu ... --kernel-name regex:_hopper_update_kernel ... python3 benchmarks/profile_case.py \
+        fp32 none 1024 "64,128,32,4,2,None,4,hopper"
 """
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -25,7 +30,11 @@ def main():
     regime, rounding, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounding = None if rounding == "none" else rounding
     configs = json.loads(bu.CONFIGS_FILE.read_text())
-    config = bu.tuned_config(configs, regime, tokens)
+    if len(sys.argv) > 4:
+        values = [v.strip().strip("'\"") for v in sys.argv[4].strip("() ").split(",")]
+        config = bu.fk.TileConfig(*(v if v in ("hopper", "portable") else ast.literal_eval(v) for v in values))
+    else:
+        config = bu.tuned_config(configs, regime, tokens)
     layer = bu.Layer(4096, 4096, max(tokens, 1), regime)
     if tokens == 0:
         layer.x, layer.dy = layer.x[:0], layer.dy[:0]

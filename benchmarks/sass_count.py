@@ -108,13 +108,11 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
 
     if regime not in ("fp32", "bf16-sr"):
         raise SystemExit(f"the Hopper kernel keeps fp32 or bf16 state; {regime} runs on the portable kernel")
-    block_n, block_k, block_t, _, stages = config[:5]
+    stages = config[4]
     weight = torch.float32 if regime == "fp32" else torch.bfloat16
     x, dy = (torch.empty(256, 4096, dtype=torch.bfloat16) for _ in range(2))
     w, m, v = (torch.empty(4096, 4096, dtype=weight) for _ in range(3))
-    descriptors = [hopper_update._operand_descriptor(dy, [block_t, block_n]),
-                   hopper_update._operand_descriptor(x, [block_t, block_k])]
-    descriptors += [hopper_update._tile_descriptor(t, [block_n, block_k]) for t in (w, m, v, w)]
+    descriptors = hopper_update.descriptors(fk.TileConfig(*config), x, dy, w, [m, v, w])
     kernel = hopper_update._hopper_update_kernel
     pointer = "*fp32" if regime == "fp32" else "*bf16"
     signature = dict(zip(["dy_desc", "x_desc", "w_desc", "s0_desc", "s1_desc", "s2_desc"],

@@ -23,10 +23,10 @@ class TileConfig:
     GPU and in the interpreter (the reference), or ``"hopper"``, the persistent
     warp-specialized kernel for sm_90 GPUs (``ops/hopper_update.py``), which computes
     the portable kernel's function bit for bit at the same (block_n, block_k, block_t).
-    A hopper config has 64-row tiles of 32 or 64 columns, one warpgroup (``num_warps``
-    4) per consumer, ``num_stages`` 2-4 buffers of its token loop, no register cap and no
-    epilogue split; its oracle (``oracle=True``) and ``apply_rule`` run the portable
-    kernels with the same tile."""
+    A hopper config has 64-row tiles of 32, 64 or 128 columns whose epilogue runs on
+    column parts of 32 or 64 (``epilogue_split``), one warpgroup (``num_warps`` 4) per
+    consumer, ``num_stages`` 2-4 buffers of its token loop and no register cap; its oracle
+    (``oracle=True``) and ``apply_rule`` run the portable kernels with the same tile."""
 
     block_n: int = 64
     block_k: int = 64
@@ -61,15 +61,18 @@ class TileConfig:
 
     def _check_hopper(self):
         """The shapes the Hopper kernel is built for: a 64-row wgmma tile per consumer
-        warpgroup, its weight and state staged whole in shared memory."""
+        warpgroup, its weight and state staged in shared memory one column part of 32 or
+        64 at a time."""
+        part = self.block_k // self.epilogue_split
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
             ("block_n", "64", self.block_n == 64),
-            ("block_k", "32 or 64", self.block_k in (32, 64)),
+            ("block_k", "32, 64 or 128", self.block_k in (32, 64, 128)),
             ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
             ("num_warps", "4", self.num_warps == 4),
             ("num_stages", "2, 3 or 4", self.num_stages in (2, 3, 4)),
             ("maxnreg", "None", self.maxnreg is None),
-            ("epilogue_split", "1", self.epilogue_split == 1)) if not ok]
+            ("epilogue_split", f"such that block_k / epilogue_split is 32 or 64, not {part}",
+             part in (32, 64))) if not ok]
         if wrong:
             raise ValueError("TileConfig(kernel='hopper'): " + "; ".join(wrong))
 

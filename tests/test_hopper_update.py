@@ -16,7 +16,10 @@ from forge_verify import assert_bitwise_equal
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                             reason="the hopper kernel runs on compute capability 9.x GPUs only")
-CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 64, 64, 4, 3, kernel="hopper")]
+CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 64, 64, 4, 3, kernel="hopper"),
+           # Tiles of several column parts: the accumulator in shared memory, two staging slots.
+           fk.TileConfig(64, 128, 32, 4, 2, epilogue_split=4, kernel="hopper"),
+           fk.TileConfig(64, 64, 64, 4, 3, epilogue_split=2, kernel="hopper")]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -41,9 +44,10 @@ REGIMES = {  # name: (weight dtype, state format, rounding)
 
 
 def _fits(config, rule_name, regime):
-    """A weight and three fp32 slots of 64x64 per consumer exceed the shared memory
-    (refused: ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``)."""
-    return not (rule_name == "rmsprop-centered" and REGIMES[regime][1] == "fp32" and config.block_k == 64)
+    """A weight and three fp32 slots exceed the shared memory beside a 64x64 tile's ring,
+    or beside a wider tile's accumulator and two staging slots (refused:
+    ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``)."""
+    return not (rule_name == "rmsprop-centered" and REGIMES[regime][1] == "fp32" and config.block_k >= 64)
 
 
 CASES = [(config, regime, rule_name) for config in CONFIGS for regime in REGIMES for rule_name in RULES
@@ -95,6 +99,10 @@ def _assert_same(a, b, where):
         assert_bitwise_equal(a[1][name], b[1][name], f"{where}: {name}")
 
 
+def _name(config):
+    return f"{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
+
+
 def _portable(config):
     return dataclasses.replace(config, kernel="portable")
 
@@ -102,7 +110,7 @@ def _portable(config):
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, regime, rule_name", CASES,
-                         ids=[f"{c.block_k}x{c.block_t}x{c.num_stages}-{g}-{r}" for c, g, r in CASES])
+                         ids=[f"{_name(c)}-{g}-{r}" for c, g, r in CASES])
 def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name, launches):
     w_dtype, state_format, rounding = REGIMES[regime]
     rule = RULES[rule_name]()
@@ -117,15 +125,15 @@ def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_k}x{c.block_t}x{c.num_stages}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime, rule_name", [("bf16-sr", "adamw"), ("bf16-sr", "rmsprop-centered"),
                                                ("fp32", "sgd-momentum"), ("fp32-weight-bf16-state", "lion")])
 @pytest.mark.parametrize("col_start", [0, 5])
 def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, col_start, launches):
-    """1024 x 1152 is 288 tiles of 64 x 64 and 576 of 64 x 32: more than two per program
-    on a 132-multiprocessor GPU, so both consumers take several tiles, their barriers go
-    through several phases and their rings wrap; placed at an even or odd column of a
-    larger weight."""
+    """1024 x 1152 is 144 tiles of 64 x 128, 288 of 64 x 64 and 576 of 64 x 32: more than
+    one per program on a 132-multiprocessor GPU, so both consumers take tiles, their
+    barriers go through several phases and their rings (and a wide tile's two staging
+    slots) wrap; placed at an even or odd column of a larger weight."""
     w_dtype, state_format, rounding = REGIMES[regime]
     rule = RULES[rule_name]()
     x, dy, w = _inputs(160, 1024, 1152, w_dtype, seed=4)
@@ -138,14 +146,16 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
-def test_hopper_kernel_refuses_a_tile_that_does_not_fit(launches):
-    """A weight and three fp32 slots of 64 x 64 per consumer: refused, nothing written."""
+@pytest.mark.parametrize("config", CONFIGS[1:], ids=lambda c: _name(c))
+def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
+    """A weight and three fp32 slots beside a 64 x 64 tile's ring, or beside a wider
+    tile's accumulator: refused, nothing written."""
     rule = RULES["rmsprop-centered"]()
     x, dy, w = _inputs(100, 200, 72, torch.float32)
     state = _state(rule, w, "fp32")
     w_k, s_k = w.clone(), {name: value.clone() for name, value in state.items()}
     with pytest.raises(ValueError, match="shared memory"):
-        fk.fused_weight_update(x, dy, w_k, s_k, rule, 1, config=CONFIGS[1])
+        fk.fused_weight_update(x, dy, w_k, s_k, rule, 1, config=config)
     _assert_same((w, state), (w_k, s_k), "after the refusal")
 
 
@@ -191,8 +201,8 @@ def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps():
 
 @hopper
 @pytest.mark.gpu
-def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient():
-    config = CONFIGS[1]
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=lambda c: _name(c))
+def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     x, dy, w = _inputs(0, 64, 64, torch.float32)
     state = _state(rule, w, "fp32")
@@ -215,9 +225,10 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input():
 
 @hopper
 @pytest.mark.gpu
-def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles():
-    """A gradient that overflows in the tile at rows 64-127, columns 32-63 only."""
-    config = CONFIGS[0]
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=lambda c: _name(c))
+def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
+    """A gradient that overflows in the tile (or, of a 128-column tile, the column part)
+    at rows 64-127, columns 32-63 only."""
     rule = fk.SGD(lr=1.0)
     x, dy, w = _inputs(64, 192, 96, torch.float32)
     x[:, 32:64] = 2.0**60
@@ -233,8 +244,9 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles():
 
 
 @pytest.mark.parametrize("fields, wrong", [
-    (dict(block_n=128), "block_n=128"), (dict(block_k=128), "block_k=128"), (dict(num_warps=8), "num_warps=8"),
-    (dict(maxnreg=128), "maxnreg=128"), (dict(epilogue_split=2), "epilogue_split=2"),
+    (dict(block_n=128), "block_n=128"), (dict(block_k=256, epilogue_split=4), "block_k=256"),
+    (dict(num_warps=8), "num_warps=8"), (dict(maxnreg=128), "maxnreg=128"),
+    (dict(epilogue_split=2), "epilogue_split=2"), (dict(block_k=128), "epilogue_split=1"),
     (dict(block_t=16), "block_t=16"), (dict(num_stages=5), "num_stages=5")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
