@@ -129,29 +129,36 @@ def _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2
 def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, ready, free,
             w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, T, N, K,
             HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr, C: gl.constexpr):
-    """Consumer C's TMA warp: for each of its tiles, the weight and state's first part
-    (once the consumer has read the slot's previous part, early in the previous tile's
-    epilogue), the tile's dy and x blocks into its ring, then the other parts (a part in
-    the second slot during the token loop, later ones as the tile's own epilogue frees
-    their slots). Measured on an H200 (``results/tuning/h200-hopper-split-ab.log``): with
-    one part, copying the ring's first blocks before it was 8-10 % slower."""
+    """Consumer C's TMA warp: for each of its tiles, the dy and x blocks into its ring and
+    the weight and state, part by part, into its staging slots, in the order measured
+    faster on an H200 (``results/tuning/h200-hopper-split-ab.log``). A tile of one part
+    copies its part first (its slot is free early in the previous tile's epilogue), then
+    the ring: copying the ring's first blocks before the part was 8-10 % slower. A tile
+    of several parts copies the ring's first blocks first (their stages are free once the
+    previous token loop is done), then the parts whose slots the previous epilogue frees,
+    the rest of the ring, and the parts that wait for this tile's own epilogue: copying
+    the first part first was 2-3 % slower."""
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BLOCK_K // w_desc.block_type.shape[1]
+    SLOTS: gl.constexpr = w_smem.shape[0]
     STAGES: gl.constexpr = dy_bufs.shape[0]
     BLOCK_BYTES: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     num_t = gl.cdiv(T, BLOCK_T)
+    # Ring blocks copied before the tile's first parts: none for a tile of one part.
+    early = gl.minimum(num_t, STAGES) if SPLIT > 1 else 0
     programs = gl.num_programs(0)
     counter = 0
     visit = 0
     for tile in range(gl.program_id(0) + C * programs, num_tiles, 2 * programs):
         off_n = (tile // tiles_k) * BLOCK_N
         off_k = (tile % tiles_k) * BLOCK_K
-        _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
-                     off_n, off_k, visit, 0, 1, HAS_S0, HAS_S1, HAS_S2, SPLIT)
+        if early == 0:
+            _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
+                         off_n, off_k, visit, 0, SLOTS, HAS_S0, HAS_S1, HAS_S2, SPLIT)
         for i in range(num_t):
             stage = counter % STAGES
             mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
@@ -159,8 +166,11 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
             _tma_load(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
             _tma_load(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
             counter += 1
+            if i + 1 == early:
+                _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready,
+                             epi_free, off_n, off_k, visit, 0, SLOTS, HAS_S0, HAS_S1, HAS_S2, SPLIT)
         _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
-                     off_n, off_k, visit, 1, SPLIT, HAS_S0, HAS_S1, HAS_S2, SPLIT)
+                     off_n, off_k, visit, SLOTS, SPLIT, HAS_S0, HAS_S1, HAS_S2, SPLIT)
         visit += 1
 
 
