@@ -9,7 +9,9 @@ one runs its epilogue, the other runs its token loop on wgmma), each fed by its 
 warp, which copies the consumer's next dy and x blocks into a ring and the next tile's
 weight and state into shared memory while the consumer still works on the previous one.
 The epilogue then reads its operands from shared memory and writes the results with
-plain stores.
+plain stores. With ``epilogue_split`` > 1 the accumulator waits in shared memory and the
+epilogue runs on one column part of the tile at a time (the portable kernel's split: the
+same bits, the same flags), each part's weight and state staged in one of two slots.
 
 Same function, same bits: the token loop is the same wgmma instructions over the same
 ``block_t``-token blocks in the same order as the portable kernel's ``tl.dot`` (bf16
@@ -133,11 +135,11 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
     the weight and state, part by part, into its staging slots, in the order measured
     faster on an H200 (``results/tuning/h200-hopper-split-ab.log``). A tile of one part
     copies its part first (its slot is free early in the previous tile's epilogue), then
-    the ring: copying the ring's first blocks before the part was 8-10 % slower. A tile
+    the ring: copying the ring's first blocks before the part was 8-11 % slower. A tile
     of several parts copies the ring's first blocks first (their stages are free once the
     previous token loop is done), then the parts whose slots the previous epilogue frees,
     the rest of the ring, and the parts that wait for this tile's own epilogue: copying
-    the first part first was 2-3 % slower."""
+    the first part first was 2-4 % slower."""
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
