@@ -1,9 +1,10 @@
 """GRZO's per-example signs are independent across neighbouring examples, rows and
 columns, across successive calls and between a layer's weight rows and its bias, for
 every kind of parameter (Linear weight and bias, Embedding, LayerNorm weight and bias,
-RMSNorm): |mean of sign products| ≤ 5/√n (Hoeffding: a false alarm below 7.5e-6 per
-check). The GRZO code's parity rule for norm and embedding signs (a checkerboard) fails
-the same check.
+RMSNorm): the count of +1 among n sign products passes the exact binomial test for
+Binomial(n, ½) at a false alarm of 1e-6 per check (independent fair signs make it exactly
+that; proofs/zeroth_order.md). The GRZO code's parity rule for norm and embedding signs (a
+checkerboard) fails the same check.
 """
 
 import pytest
@@ -13,7 +14,7 @@ import forge_kernels as fk
 from forge_kernels.zeroth_order.draws import COL, ROW, CallDraws
 from forge_verify.checks.observations import RADIUS, observe
 from forge_verify.checks.zeroth_order import neighbour_products, parity_signs
-from forge_verify.numerics.stats import sign_product_radius
+from forge_verify.numerics.stats import sign_product_radius, sign_products_consistent
 
 BATCH = 64
 
@@ -33,13 +34,9 @@ def _slots():
     return [(t.name, kind) for t in targets for kind in ((ROW, COL) if t.is_matrix else (ROW,))]
 
 
-def _within(mean, count):
-    return abs(mean) <= sign_product_radius(count)
-
-
 def _check(mean, count):
     observe(abs(mean) / sign_product_radius(count), RADIUS)
-    return _within(mean, count)
+    return sign_products_consistent(mean, count)
 
 
 @pytest.mark.stats
@@ -69,4 +66,4 @@ def test_a_linears_row_signs_and_its_bias_signs_are_independent():
 def test_the_grzo_codes_parity_signs_fail_the_check():
     """The planted mistake: a checkerboard's neighbouring products are all -1."""
     means = neighbour_products(parity_signs(BATCH, 48, seed=2026))
-    assert not _within(*means["examples"]) and not _within(*means["indices"])
+    assert not sign_products_consistent(*means["examples"]) and not sign_products_consistent(*means["indices"])

@@ -7,7 +7,7 @@ import pytest
 from scipy.stats import binom
 
 from forge_verify.numerics.stats import (azuma_radius, binomial_acceptance, binomial_consistent, freedman_radius,
-                                        hoeffding_radius)
+                                        hoeffding_radius, sign_product_radius, sign_products_consistent)
 
 
 def test_hoeffding_radius_meets_its_bound():
@@ -77,3 +77,31 @@ def test_binomial_acceptance_is_the_interval_the_test_passes(trials, p):
     assert binomial_consistent(lo, trials, p, 1e-6) and binomial_consistent(hi, trials, p, 1e-6)
     assert lo == 0 or not binomial_consistent(lo - 1, trials, p, 1e-6)
     assert hi == trials or not binomial_consistent(hi + 1, trials, p, 1e-6)
+
+
+@pytest.mark.parametrize("samples", [2, 199, 3072, 65536])
+def test_sign_product_radius_is_the_edge_of_the_exact_test(samples):
+    """|mean| at the radius passes, one more +1 fails, and the radius is the exact test's,
+    below Hoeffding's at the same false-alarm rate."""
+    radius = sign_product_radius(samples)
+    plus = round((radius + 1) * samples / 2)
+    assert sign_products_consistent(radius, samples) and sign_products_consistent(-radius, samples)
+    assert plus == samples or not sign_products_consistent((2 * (plus + 1) - samples) / samples, samples)
+    if samples >= 3072:
+        assert radius < math.sqrt(2 * math.log(2 / 1e-6) / samples)
+
+
+def test_sign_test_false_alarm_is_at_most_its_level():
+    """Summed exactly over Binomial(300, ½): the means the sign test rejects at 0.01 carry
+    at most 0.01 of the probability."""
+    samples, level = 300, 0.01
+    rejected = sum(binom.pmf(k, samples, 0.5) for k in range(samples + 1)
+                   if not sign_products_consistent((2 * k - samples) / samples, samples, level))
+    assert 0 < rejected <= level
+
+
+def test_sign_test_rejects_a_checkerboard_and_a_small_bias():
+    """All products -1 (a checkerboard's neighbours) and a 5 % excess of +1 over 65,536."""
+    assert not sign_products_consistent(-1.0, 3072)
+    assert not sign_products_consistent(0.1, 65536)
+    assert sign_products_consistent(0.0, 65536)

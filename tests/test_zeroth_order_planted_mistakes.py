@@ -16,7 +16,7 @@ from forge_kernels.zeroth_order import grzo as grzo_module
 from forge_kernels.zeroth_order import targets as targets_module
 from forge_kernels.zeroth_order.draws import ROW, CallDraws, example_signs
 from forge_verify.checks.zeroth_order import enumeration_errors, neighbour_products, quadratic_problem
-from forge_verify.numerics.stats import sign_product_radius
+from forge_verify.numerics.stats import sign_products_consistent
 
 TOLERANCE = 1e-10  # properties/test_zeroth_order_expectation.py
 
@@ -80,4 +80,4 @@ def test_signs_shared_by_every_example_fail_the_sign_check(monkeypatch):
     opt = fk.GRZO(torch.nn.Linear(16, 48), lr=0.1)
     signs = CallDraws(0, 0).signs(opt.targets[0], ROW, 64)
     mean, count = neighbour_products(signs)["examples"]
-    assert abs(mean) > sign_product_radius(count)
+    assert not sign_products_consistent(mean, count)

@@ -58,12 +58,6 @@ def chebyshev_radius(variance: float, samples: int, false_alarm: float) -> float
     return math.sqrt(variance / (samples * false_alarm))
 
 
-def sign_product_radius(samples: int) -> float:
-    """5/√n: |mean of n independent ±1 products| exceeds it with probability at most
-    2 exp(-12.5) < 7.5e-6 (Hoeffding for variables in [-1, 1])."""
-    return 5 / math.sqrt(samples)
-
-
 def dkw_radius(samples: int, false_alarm: float) -> float:
     """t with P(sup_x |F_n(x) - F(x)| > t) <= false_alarm for the empirical distribution
     function of ``samples`` independent draws from a continuous F (Dvoretzky–Kiefer–
@@ -106,3 +100,29 @@ def binomial_acceptance(trials: int, p: float, false_alarm: float) -> tuple[int,
         return inside
 
     return edge(mode, -1), edge(mode, trials + 1)
+
+
+# The false-alarm rate of each sign-independence check (proofs/zeroth_order.md, "Signs").
+SIGN_FALSE_ALARM = 1e-6
+
+
+def _plus_count(mean: float, samples: int) -> int:
+    """The number of +1 among ``samples`` ±1 values whose mean is ``mean`` (an integer
+    count, recovered from the floating-point mean)."""
+    return round((mean + 1) * samples / 2)
+
+
+def sign_products_consistent(mean: float, samples: int, false_alarm: float = SIGN_FALSE_ALARM) -> bool:
+    """Whether the mean of ``samples`` ±1 sign products is consistent with independent fair
+    signs. Under that claim the products are themselves independent fair signs (neighbour
+    products included: proofs/zeroth_order.md), so their count of +1 is exactly
+    Binomial(``samples``, ½) and the exact binomial test decides, at ``false_alarm``."""
+    return binomial_consistent(_plus_count(mean, samples), samples, 0.5, false_alarm)
+
+
+def sign_product_radius(samples: int, false_alarm: float = SIGN_FALSE_ALARM) -> float:
+    """The largest |mean| that ``sign_products_consistent`` passes (its acceptance is
+    symmetric about 0): about 4.9/√n at 1e-6, where Hoeffding's radius at the same rate is
+    sqrt(2 ln(2/α)/n) = 5.4/√n. For reports, which plot |mean| against it."""
+    _, hi = binomial_acceptance(samples, 0.5, false_alarm)
+    return (2 * hi - samples) / samples
