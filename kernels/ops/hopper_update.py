@@ -376,16 +376,27 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# The shared-memory layouts are immutable and depend on the block and element type only:
+# made once, not on every launch (their construction took about a sixth of the launch's
+# host time under cProfile: results/tuning/h200-hopper-host-profile.log).
+@functools.lru_cache(maxsize=None)
+def _operand_layout(block: tuple, bf16: bool):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_layout(element_bits: int):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element_bits, rank=2)
+
+
 def _operand_descriptor(t, block):
     """dy and x blocks: the swizzled layout wgmma reads."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float32
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    return TensorDescriptor.from_tensor(t, block, _operand_layout(tuple(block), t.dtype == torch.bfloat16))
 
 
 def _tile_descriptor(t, block):
     """Weight and state tiles: unswizzled, read row by row by the epilogue."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=2)
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _tile_layout(t.element_size() * 8))
 
 
 def descriptors(config, x, dy, weight, slot_tensors):
