@@ -21,3 +21,10 @@ def forge_kernels():
             sys.modules["forge_kernels"] = module
             spec.loader.exec_module(module)
     return sys.modules["forge_kernels"]
+
+
+def parse_config(text: str) -> tuple:
+    """A tile config's fields from ``64,128,64,8,3,128,2`` or ``64,32,128,4,2,None,1,hopper``
+    (parentheses, quotes and spaces, as the sweeps print configs, are allowed)."""
+    values = [v.strip().strip("'\"") for v in text.strip().strip("()").split(",")]
+    return tuple(None if v == "None" else v if v in ("hopper", "portable") else int(v) for v in values)

@@ -13,7 +13,6 @@ tuned config for the token count). 4096 x 4096.
         fp32 none 1024 "64,128,32,4,2,None,4,hopper"
 """
 
-import ast
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from checkout import parse_config  # noqa: E402
 
 from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
 
@@ -29,12 +29,10 @@ from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
 def main():
     regime, rounding, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounding = None if rounding == "none" else rounding
-    configs = json.loads(bu.CONFIGS_FILE.read_text())
     if len(sys.argv) > 4:
-        values = [v.strip().strip("'\"") for v in sys.argv[4].strip("() ").split(",")]
-        config = bu.fk.TileConfig(*(v if v in ("hopper", "portable") else ast.literal_eval(v) for v in values))
+        config = bu.fk.TileConfig(*parse_config(sys.argv[4]))
     else:
-        config = bu.tuned_config(configs, regime, tokens)
+        config = bu.tuned_config(json.loads(bu.CONFIGS_FILE.read_text()), regime, tokens)
     layer = bu.Layer(4096, 4096, max(tokens, 1), regime)
     if tokens == 0:
         layer.x, layer.dy = layer.x[:0], layer.dy[:0]

@@ -35,7 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkout import forge_kernels  # noqa: E402
+from checkout import forge_kernels, parse_config  # noqa: E402
 
 fk = forge_kernels()
 from forge_kernels.ops.fused_weight_update import _fused_weight_update_kernel as KERNEL  # noqa: E402
@@ -133,13 +133,6 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, enable_fp_fusion=False)), None
-
-
-def parse_config(text: str) -> tuple:
-    """``64,128,64,8,3,128,2`` or ``64,32,128,4,2,None,1,hopper`` (quotes and spaces, as
-    the sweeps print configs, are allowed)."""
-    values = [v.strip().strip("'\"") for v in text.strip().strip("()").split(",")]
-    return tuple(None if v == "None" else v if v in ("hopper", "portable") else int(v) for v in values)
 
 
 def sass_listing(cubin: bytes) -> list:
