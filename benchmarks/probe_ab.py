@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from checkout import parse_config  # noqa: E402
 
 fk = bu.fk
 
@@ -47,7 +48,7 @@ def main():
     parser.add_argument("--shapes", default="4096x4096")
     parser.add_argument("--tokens", default="256,1024")
     parser.add_argument("--regimes", default="bf16-sr")
-    parser.add_argument("--configs", default=None, help="';'-separated tuples (default: the tuned config)")
+    parser.add_argument("--configs", default=None, help="';'-separated configs as the sweeps print them (default: the tuned config)")
     args = parser.parse_args()
     old = load_tree(Path(args.old), "forge_kernels_old")
     configs_file = bu.json.loads(bu.CONFIGS_FILE.read_text())
@@ -57,7 +58,7 @@ def main():
         for regime in args.regimes.split(","):
             for t in (int(v) for v in args.tokens.split(",")):
                 if args.configs:
-                    candidates = [bu.ast.literal_eval(c) for c in args.configs.split(";")]
+                    candidates = [parse_config(c) for c in args.configs.split(";")]
                 else:
                     candidates = [dataclasses.astuple(bu.tuned_config(configs_file, regime, t))]
                 for candidate in candidates:
