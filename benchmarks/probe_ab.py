@@ -48,7 +48,8 @@ def main():
     parser.add_argument("--shapes", default="4096x4096")
     parser.add_argument("--tokens", default="256,1024")
     parser.add_argument("--regimes", default="bf16-sr")
-    parser.add_argument("--configs", default=None, help="';'-separated configs as the sweeps print them (default: the tuned config)")
+    parser.add_argument("--configs", default=None,
+                        help="';'-separated configs as the sweeps print them (default: the tuned config)")
     args = parser.parse_args()
     old = load_tree(Path(args.old), "forge_kernels_old")
     configs_file = bu.json.loads(bu.CONFIGS_FILE.read_text())

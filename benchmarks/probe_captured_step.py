@@ -32,15 +32,18 @@ def parts(layer, config):
     state = layer.fresh_state(r)
     scalars = fk.StepScalars(r, seed=1, device="cuda").set(1)
     status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device="cuda")
-    found = {"kernel": bu.capture(bu.kernel_step(layer, config, r, state))[0].replay}
     kernel = bu.kernel_step(layer, config, r, state)
+    found = {"kernel": bu.capture(kernel)[0].replay}
+    n, k = layer.w.shape
+    # The words a call zeroes: its status and one flag per tile part (as _Epilogue makes them).
+    words = STATUS_WORDS + bu.triton.cdiv(n, config.block_n) * bu.triton.cdiv(k, config.block_k) * config.epilogue_split
 
     def check_and_kernel():
         launch_finite_check(status, layer.x, layer.dy)
         kernel()
     found["check + kernel"] = bu.capture(check_and_kernel)[0].replay
     found["check"] = bu.capture(lambda: launch_finite_check(status, layer.x, layer.dy))[0].replay
-    found["status zeros"] = bu.capture(lambda: torch.zeros(STATUS_WORDS + 4096, dtype=torch.int32, device="cuda"))[0].replay
+    found["status zeros"] = bu.capture(lambda: torch.zeros(words, dtype=torch.int32, device="cuda"))[0].replay
     call, _ = bu.capture(lambda: fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, scalars, seed=1,
                                                         config=config, report="defer"))
     found["call replay"] = call.replay
