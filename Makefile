@@ -6,17 +6,25 @@
 # Without CUDA the pinned set takes the CPU build of torch (requirements/cpu.txt).
 
 PYTHON ?= python3
+# `make test` runs pytest in one process per usable core (pytest-xdist, work stealing: a
+# few long tests would otherwise leave one worker busy alone at the end); TEST_WORKERS=1
+# runs it in one process. On a GPU machine at most 8, as `forge-verify check`: each worker
+# compiles its own kernels and holds a CUDA context.
+GPU := $(shell command -v nvidia-smi 2>/dev/null)
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; c = len(os.sched_getaffinity(0)); print(min(c, 8) if "$(GPU)" else c)')
 VENV := .venv
 PY := $(VENV)/bin/python
-REQUIREMENTS := $(if $(shell command -v nvidia-smi 2>/dev/null),requirements/cuda.txt,requirements/cpu.txt)
+REQUIREMENTS := $(if $(GPU),requirements/cuda.txt,requirements/cpu.txt)
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 
 .PHONY: check test gate report setup clean
 
+# --no-compile: pip would byte-compile every file of every package (torch and transformers
+# hold tens of thousands) on one core; Python compiles the modules a run imports, once.
 $(STAMP): $(REQUIREMENTS) pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --requirement $(REQUIREMENTS)
-	$(PY) -m pip install --quiet --no-deps --editable .
+	$(PY) -m pip install --quiet --no-compile --requirement $(REQUIREMENTS)
+	$(PY) -m pip install --quiet --no-compile --no-deps --editable .
 	touch $@
 
 setup: $(STAMP)
@@ -25,8 +33,9 @@ check: $(STAMP)
 	$(VENV)/bin/forge-verify check
 
 # PYTEST_ARGS narrows the run (.ci/run passes "tests": `make check` has just run the properties).
+# pytest-benchmark, where installed, refuses to run beside xdist: nothing here times itself.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal -p no:benchmark) $(PYTEST_ARGS)
 
 gate: $(STAMP)
 	$(VENV)/bin/forge-verify gate

@@ -6,6 +6,8 @@ The checkout's ``conftest.py`` loads it for ``make test``; ``forge-verify check`
 with ``-p``, so the properties also run from an installed package, where no conftest is.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -35,7 +37,18 @@ WARNING_FILTERS = (
 )
 
 
+def _share_cores(config):
+    """In a pytest-xdist worker, give torch its share of the usable cores: one torch
+    thread pool per core in every worker would oversubscribe them. No bit depends on it:
+    the interpreted kernels' sums avoid BLAS (proofs/interpreter_reduction.md)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // int(workers)))
+
+
 def pytest_configure(config):
+    _share_cores(config)
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
     for line in WARNING_FILTERS:

@@ -8,8 +8,6 @@ load ``-p`` plugins but not the objects handed to ``pytest.main``); so the table
 same with one process or several.
 """
 
-import os
-
 import pytest
 
 from ..checks import observations
@@ -30,10 +28,6 @@ def examples_run(statistics: dict) -> int:
 
 def pytest_configure(config):
     observations.clear()  # a second run in one process starts from nothing
-    workers = getattr(config, "workerinput", {}).get("workercount")
-    if workers:  # an xdist worker: share the cores with the others rather than oversubscribe them
-        import torch
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
