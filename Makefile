@@ -6,15 +6,14 @@
 # Without CUDA the pinned set takes the CPU build of torch (requirements/cpu.txt).
 
 PYTHON ?= python3
-# `make test` runs pytest in one process per usable core (pytest-xdist, work stealing: a
-# few long tests would otherwise leave one worker busy alone at the end); TEST_WORKERS=1
-# runs it in one process. On a GPU machine at most 8, as `forge-verify check`: each worker
-# compiles its own kernels and holds a CUDA context.
-GPU := $(shell command -v nvidia-smi 2>/dev/null)
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; c = len(os.sched_getaffinity(0)); print(min(c, 8) if "$(GPU)" else c)')
+# `make test` runs pytest in one process per usable core (pytest-xdist's `-n auto`, whose
+# count forge_verify/workers.py sets as for `forge-verify check`: at most 8 on a GPU
+# machine; work stealing, since a few long tests would otherwise leave one worker busy
+# alone at the end); TEST_WORKERS=1 runs it in one process.
+TEST_WORKERS ?= auto
 VENV := .venv
 PY := $(VENV)/bin/python
-REQUIREMENTS := $(if $(GPU),requirements/cuda.txt,requirements/cpu.txt)
+REQUIREMENTS := $(if $(shell command -v nvidia-smi 2>/dev/null),requirements/cuda.txt,requirements/cpu.txt)
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 
 .PHONY: check test gate report setup clean

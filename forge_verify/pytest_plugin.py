@@ -6,8 +6,6 @@ The checkout's ``conftest.py`` loads it for ``make test``; ``forge-verify check`
 with ``-p``, so the properties also run from an installed package, where no conftest is.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ import forge_kernels as fk
 
 from .checks.profiles import load_profile
 from .distributed.ranks import RankPools
+from .workers import default_workers, threads_per_process
 
 load_profile()
 
@@ -40,11 +39,16 @@ WARNING_FILTERS = (
 def _share_cores(config):
     """In a pytest-xdist worker, give torch its share of the usable cores: one torch
     thread pool per core in every worker would oversubscribe them. No bit depends on it:
-    the interpreted kernels' sums avoid BLAS (proofs/interpreter_reduction.md)."""
+    the interpreted kernels' sums avoid BLAS (proofs/interpreter_reduction.md,
+    tests/test_interpreter_reduction.py)."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // int(workers)))
+        torch.set_num_threads(threads_per_process(int(workers)))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (``make test``) takes forge-verify check's worker count."""
+    return default_workers()
 
 
 def pytest_configure(config):

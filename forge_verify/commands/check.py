@@ -7,7 +7,6 @@ outcome and the examples and deviations the properties reported through
 """
 
 import importlib.util
-import os
 import re
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from ..checks import observations
 from . import check_recorder
 from ..checks.tables import render_table
 from ..checks.torch_optim import measure
+from ..workers import default_workers
 
 
 
@@ -117,14 +117,6 @@ def format_torch_optim_table(rows) -> str:
 
 
 DETAILS = "build/forge-verify-check.txt"
-
-
-def default_workers() -> int:
-    """Processes to run the properties in: one per usable core (the interpreter is
-    single-threaded Python; compiled, each worker compiles its own kernels), at most 8 on
-    a GPU machine, where every worker also holds a CUDA context."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores if fk.interpreting() else min(cores, 8)
 
 
 def _parallel_args(workers: int) -> list:

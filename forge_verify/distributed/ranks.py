@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 # CPU interpreter) before any Triton code is decorated, as the parent did.
 import forge_kernels  # noqa: F401
 
+from ..workers import threads_per_process
+
 # NVLink multicast (NVLS, symmetric-memory multicast) stays off on the GPU machines
 # these ranks run on.
 RANK_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -58,7 +60,7 @@ def _serialize(value) -> bytes:
 def _rank_main(rank, world_size, store_path, backend, collective_timeout_s, start_timeout_s, jobs, results):
     os.environ.update(RANK_ENVIRONMENT)
     # The ranks share the machine's cores; each taking all of them would oversubscribe.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads_per_process(world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
