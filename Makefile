@@ -7,7 +7,7 @@
 
 PYTHON ?= python3
 # `make test` runs pytest in one process per usable core (pytest-xdist's `-n auto`, whose
-# count forge_verify/workers.py sets as for `forge-verify check`: at most 8 on a GPU
+# count forge_verify/distributed/workers.py sets as for `forge-verify check`: at most 8 on a GPU
 # machine; work stealing, since a few long tests would otherwise leave one worker busy
 # alone at the end); TEST_WORKERS=1 runs it in one process.
 TEST_WORKERS ?= auto

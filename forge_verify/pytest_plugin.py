@@ -13,7 +13,7 @@ import forge_kernels as fk
 
 from .checks.profiles import load_profile
 from .distributed.ranks import RankPools
-from .workers import default_workers, threads_per_process
+from .distributed.workers import default_workers, threads_per_process
 
 load_profile()
 

@@ -19,7 +19,7 @@ from ..checks import observations
 from . import check_recorder
 from ..checks.tables import render_table
 from ..checks.torch_optim import measure
-from ..workers import default_workers
+from ..distributed.workers import default_workers
 
 
 

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 # CPU interpreter) before any Triton code is decorated, as the parent did.
 import forge_kernels  # noqa: F401
 
-from ..workers import threads_per_process
+from .workers import threads_per_process
 
 # NVLink multicast (NVLS, symmetric-memory multicast) stays off on the GPU machines
 # these ranks run on.
