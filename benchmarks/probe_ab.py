@@ -42,6 +42,16 @@ def kernel_step(package, layer, config_tuple, r_cls_name="AdamW"):
     return lambda: epilogue.fused(layer.x, layer.dy, layer.w)
 
 
+def runs(package, layer, config_tuple) -> bool:
+    """Whether the other tree's kernel takes this config (a new config may not compile there)."""
+    try:
+        kernel_step(package, layer, config_tuple)()
+    except ValueError as error:
+        print(f"old tree refuses {config_tuple}: {str(error)[:160]}", flush=True)
+        return False
+    return True
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--old", required=True, help="the other tree's kernels/ folder")
@@ -70,13 +80,17 @@ def main():
                     # Alternated, twice each, so drift between timings falls on both trees alike;
                     # replayed from a CUDA graph, so a launch's host cost cannot stand in for its time.
                     new_ms, old_ms = [], []
+                    old_runs = runs(old, layer, candidate)
                     for _ in range(2):
                         new_ms.append(bu.timed(bu.capture(kernel_step(fk, layer, candidate))[0].replay)[0])
-                        old_ms.append(bu.timed(bu.capture(kernel_step(old, layer, candidate))[0].replay)[0])
+                        if old_runs:
+                            old_ms.append(bu.timed(bu.capture(kernel_step(old, layer, candidate))[0].replay)[0])
+                    versus = (f"old {old_ms[0]:.4f} / {old_ms[1]:.4f} ms" if old_ms
+                              else "old: not run (its kernel refuses this config)")
+                    ratio = f"old/new {min(old_ms) / min(new_ms):.3f}" if old_ms else ""
                     print(f"ab {n}x{k} T={t:5d} {regime:7s} {str(candidate):30s} "
-                          f"old {old_ms[0]:.4f} / {old_ms[1]:.4f} ms  new {new_ms[0]:.4f} / {new_ms[1]:.4f} ms  "
-                          f"old/new {min(old_ms) / min(new_ms):.3f}  new/floor(4.25TB/s) {min(new_ms) / floor:.2f}",
-                          flush=True)
+                          f"{versus}  new {new_ms[0]:.4f} / {new_ms[1]:.4f} ms  "
+                          f"{ratio}  new/floor(4.25TB/s) {min(new_ms) / floor:.2f}", flush=True)
                     del layer
 
 

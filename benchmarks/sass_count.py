@@ -197,7 +197,7 @@ def main():
             top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
             print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
                   f"({per_element:.0f} per element per thread-lane) layout conversions {conversions} "
-                  f"barriers {mix['BAR']} wgmma {mix['HGMMA']} | {top}", flush=True)
+                  f"barriers {mix['BAR']} wgmma {mix['HGMMA']} shared {compiled.metadata.shared} | {top}", flush=True)
             if args.listing_sha:
                 print(f"  sass sha256 {hashlib.sha256(chr(10).join(listing).encode()).hexdigest()}", flush=True)
 
