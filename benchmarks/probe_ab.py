@@ -9,6 +9,7 @@ checked fused == oracle bitwise in this tree first. A diagnostic for one kernel 
 """
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -60,7 +61,18 @@ def main():
     parser.add_argument("--regimes", default="bf16-sr")
     parser.add_argument("--configs", default=None,
                         help="';'-separated configs as the sweeps print them (default: the tuned config)")
+    parser.add_argument("--new-setting", action="append", default=[],
+                        help="MODULE.NAME=VALUE: a module-level setting of this tree's kernels/ops, set before timing "
+                             "(e.g. hopper_update.IN_FLIGHT=True)")
     args = parser.parse_args()
+    for setting in args.new_setting:
+        target, value = setting.split("=", 1)
+        module_name, name = target.rsplit(".", 1)
+        module = importlib.import_module(f"forge_kernels.ops.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"forge_kernels.ops.{module_name} has no setting {name}")
+        setattr(module, name, ast.literal_eval(value))
+        print(f"new tree: {target} = {value}", flush=True)
     old = load_tree(Path(args.old), "forge_kernels_old")
     configs_file = bu.json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}")
