@@ -2,10 +2,14 @@
 copy of its ``kernels/`` folder, imported as a second package), launched alone on the
 same inputs in the same process; medians of ``do_bench`` (L2 flushed) over CUDA-graph
 replays of the kernel alone, each config
-checked fused == oracle bitwise in this tree first. A diagnostic for one kernel change
-(e.g. the Philox draw), not the benchmark table (that is ``bench_update.py``).
+checked fused == oracle (and captured == uncaptured) bitwise in this tree first. A
+diagnostic for one kernel change (e.g. the Philox draw), not the benchmark table (that is
+``bench_update.py``). A config the other tree's kernel refuses (a new tile, say) is timed
+in this tree alone; ``--new-setting`` sets a module-level switch of this tree's
+``kernels/ops`` before timing.
 
     python3 benchmarks/probe_ab.py --old /path/to/old/kernels --regimes bf16-sr,q8 --tokens 256,1024
+    python3 benchmarks/probe_ab.py --old /path/to/old/kernels --new-setting hopper_update.NAME=True
 """
 
 import argparse
