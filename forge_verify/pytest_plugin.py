@@ -46,6 +46,7 @@ def _share_cores(config):
         torch.set_num_threads(threads_per_process(int(workers)))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (``-p no:xdist``) pytest must not refuse it
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (``make test``) takes forge-verify check's worker count."""
     return default_workers()
