@@ -112,8 +112,9 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
     weight = torch.float32 if regime == "fp32" else torch.bfloat16
     x, dy = (torch.empty(256, 4096, dtype=torch.bfloat16) for _ in range(2))
     w, m, v = (torch.empty(4096, 4096, dtype=weight) for _ in range(3))
-    descriptors = hopper_update.descriptors(fk.TileConfig(*config), x, dy, w, [m, v, w])
-    kernel = hopper_update._hopper_update_kernel
+    tile = fk.TileConfig(*config)
+    descriptors = hopper_update.descriptors(tile, x, dy, w, [m, v, w])
+    kernel = hopper_update.kernel_for(tile)
     pointer = "*fp32" if regime == "fp32" else "*bf16"
     signature = dict(zip(["dy_desc", "x_desc", "w_desc", "s0_desc", "s1_desc", "s2_desc"],
                          map(mangle_type, descriptors)))
@@ -125,6 +126,8 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
     constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
                      W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,
                      DEVICE_SCALARS=True, NUM_STAGES=stages)
+    if kernel is hopper_update.split_kernel:
+        constants["WARPS"] = tile.num_warps
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
     # As a launch specializes them: 16-byte aligned pointers, and T, N, K (256, 4096, 4096) multiples of 16.
@@ -132,7 +135,7 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
     source = GluonASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, enable_fp_fusion=False)), None
+                          options=dict(num_warps=tile.num_warps, enable_fp_fusion=False)), None
 
 
 def sass_listing(cubin: bytes) -> list:
@@ -192,8 +195,8 @@ def main():
             # A layout conversion between threads goes through shared memory, between barriers.
             conversions = compiled.asm["ttgir"].count("ttg.convert_layout")
             total = sum(mix.values())
-            # The Hopper kernel holds its consumer's code twice (two warpgroups, a tile each).
-            per_element = total * config[3] * 32 / (config[0] * config[1]) / (2 if hopper else 1)
+            # The ping-pong Hopper kernel holds its consumer's code twice (two warpgroups, a tile each).
+            per_element = total * config[3] * 32 / (config[0] * config[1]) / (2 if hopper and config[3] == 4 else 1)
             top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
             print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
                   f"({per_element:.0f} per element per thread-lane) layout conversions {conversions} "

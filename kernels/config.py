@@ -24,9 +24,10 @@ class TileConfig:
     warp-specialized kernel for sm_90 GPUs (``ops/hopper_update.py``), which computes
     the portable kernel's function bit for bit at the same (block_n, block_k, block_t).
     A hopper config has 64-row tiles of 32, 64 or 128 columns whose epilogue runs on
-    column parts of 32 or 64 (``epilogue_split``), one warpgroup (``num_warps`` 4) per
-    consumer, ``num_stages`` 2-4 buffers of its token loop and no register cap; its oracle
-    (``oracle=True``) and ``apply_rule`` run the portable kernels with the same tile."""
+    column parts of 32 or 64 (``epilogue_split``), ``num_stages`` 2-4 buffers of its token
+    loop and no register cap; ``num_warps`` picks its structure: 4, two consumer
+    warpgroups in ping-pong, or 8, one matrix warpgroup feeding eight epilogue warps. Its
+    oracle (``oracle=True``) and ``apply_rule`` run the portable kernels with the same tile."""
 
     block_n: int = 64
     block_k: int = 64
@@ -68,7 +69,7 @@ class TileConfig:
             ("block_n", "64", self.block_n == 64),
             ("block_k", "32, 64 or 128", self.block_k in (32, 64, 128)),
             ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
-            ("num_warps", "4", self.num_warps == 4),
+            ("num_warps", "4 or 8", self.num_warps in (4, 8)),
             ("num_stages", "2, 3 or 4", self.num_stages in (2, 3, 4)),
             ("maxnreg", "None", self.maxnreg is None),
             ("epilogue_split", f"such that block_k / epilogue_split is 32 or 64, not {part}",

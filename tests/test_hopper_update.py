@@ -1,7 +1,8 @@
 """The Hopper kernel (``TileConfig(kernel="hopper")``) computes the portable kernel's
 function bit for bit: for every rule and slot layout, every storage regime and rounding,
-on shapes with ragged edges and on shapes with many tiles per program (both consumer
-warpgroups, their rings wrapping), at an offset in a larger weight, with a gradient
+in both structures (``num_warps`` 4: ping-pong consumers; 8: a matrix warpgroup feeding
+eight epilogue warps), on shapes with ragged edges and on shapes with many tiles per
+program (every barrier through several phases, the rings wrapping), at an offset in a larger weight, with a gradient
 scale, with device scalars inside a CUDA graph, and through the non-finite paths
 (nothing written, skipped tiles, the same flags). GPU-only (sm_90); what it refuses
 where it cannot run is checked everywhere."""
@@ -19,7 +20,11 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 64, 64, 4, 3, kernel="hopper"),
            # Tiles of several column parts: the accumulator in shared memory, two staging slots.
            fk.TileConfig(64, 128, 32, 4, 2, epilogue_split=4, kernel="hopper"),
-           fk.TileConfig(64, 64, 64, 4, 3, epilogue_split=2, kernel="hopper")]
+           fk.TileConfig(64, 64, 64, 4, 3, epilogue_split=2, kernel="hopper"),
+           # The split kernel: eight epilogue warps, one part per tile and four (the tuned tile).
+           fk.TileConfig(64, 64, 64, 8, 4, kernel="hopper"),
+           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper")]
+SPLIT = CONFIGS[5]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -43,11 +48,24 @@ REGIMES = {  # name: (weight dtype, state format, rounding)
 }
 
 
+SHARED_BYTES = 232_448  # what one block may have on sm_90
+
+
 def _fits(config, rule_name, regime):
-    """A weight and three fp32 slots exceed the shared memory beside a 64x64 tile's ring,
-    or beside a wider tile's accumulator and two staging slots (refused:
-    ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``)."""
-    return not (rule_name == "rmsprop-centered" and REGIMES[regime][1] == "fp32" and config.block_k >= 64)
+    """Whether the kernel's shared memory holds the config's buffers (the rest are refused:
+    ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``). Ping-pong: a weight and
+    three fp32 slots exceed it beside a 64x64 tile's ring, or beside a wider tile's
+    accumulator and two staging slots. Split: the ring, two gradient slots and two
+    staging slots of a part's weight and state, with 2 KB to spare for barriers and
+    reductions."""
+    w_dtype, state_format, _ = REGIMES[regime]
+    if config.num_warps == 4:
+        return not (rule_name == "rmsprop-centered" and state_format == "fp32" and config.block_k >= 64)
+    slots = sum(name is not None for name in RULES[rule_name]().slot_layout)
+    part = config.block_k // config.epilogue_split
+    staged = 2 * config.block_n * part * (torch.finfo(w_dtype).bits // 8 + slots * (4 if state_format == "fp32" else 2))
+    ring = config.num_stages * config.block_t * (config.block_n + config.block_k) * 2
+    return ring + 2 * config.block_n * config.block_k * 4 + staged <= SHARED_BYTES - 2048
 
 
 CASES = [(config, regime, rule_name) for config in CONFIGS for regime in REGIMES for rule_name in RULES
@@ -100,7 +118,7 @@ def _assert_same(a, b, where):
 
 
 def _name(config):
-    return f"{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
+    return f"{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}w{config.num_warps}"
 
 
 def _portable(config):
@@ -131,9 +149,10 @@ def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name
 @pytest.mark.parametrize("col_start", [0, 5])
 def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, col_start, launches):
     """1024 x 1152 is 144 tiles of 64 x 128, 288 of 64 x 64 and 576 of 64 x 32: more than
-    one per program on a 132-multiprocessor GPU, so both consumers take tiles, their
-    barriers go through several phases and their rings (and a wide tile's two staging
-    slots) wrap; placed at an even or odd column of a larger weight."""
+    one per program on a 132-multiprocessor GPU, so both ping-pong consumers (or both of
+    the split kernel's gradient slots) take tiles, the barriers go through several phases
+    and the rings (and a wide tile's two staging slots) wrap; placed at an even or odd
+    column of a larger weight."""
     w_dtype, state_format, rounding = REGIMES[regime]
     rule = RULES[rule_name]()
     x, dy, w = _inputs(160, 1024, 1152, w_dtype, seed=4)
@@ -146,10 +165,14 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", CONFIGS[1:], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", CONFIGS[1:4] + [fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=2, kernel="hopper"),
+                                                  fk.TileConfig(64, 64, 128, 8, 4, kernel="hopper")],
+                         ids=lambda c: _name(c))
 def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
     """A weight and three fp32 slots beside a 64 x 64 tile's ring, or beside a wider
-    tile's accumulator: refused, nothing written."""
+    tile's accumulator (ping-pong), or, staged two parts each, beside the ring and the two
+    gradient slots (split), where they exceed the shared memory: refused, nothing written."""
+    assert not _fits(config, "rmsprop-centered", "fp32")
     rule = RULES["rmsprop-centered"]()
     x, dy, w = _inputs(100, 200, 72, torch.float32)
     state = _state(rule, w, "fp32")
@@ -178,8 +201,8 @@ def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, laun
 
 @hopper
 @pytest.mark.gpu
-def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps():
-    config = CONFIGS[0]
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=lambda c: _name(c))
+def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config):
     rule = fk.AdamW(lr=1e-2)
     x, dy, w = _inputs(128, 128, 96, torch.bfloat16, seed=3)
     state = _state(rule, w, "bf16")
@@ -201,7 +224,7 @@ def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps():
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT], ids=lambda c: _name(c))
 def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     x, dy, w = _inputs(0, 64, 64, torch.float32)
@@ -211,8 +234,8 @@ def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
 
 @hopper
 @pytest.mark.gpu
-def test_hopper_kernel_writes_nothing_on_a_non_finite_input():
-    config = CONFIGS[0]
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=lambda c: _name(c))
+def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
     rule = fk.AdamW()
     x, dy, w = _inputs(64, 64, 64, torch.float32)
     x[3, 5] = float("nan")
@@ -225,7 +248,7 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input():
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2], SPLIT], ids=lambda c: _name(c))
 def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
     """A gradient that overflows in the tile (or, of a 128-column tile, the column part)
     at rows 64-127, columns 32-63 only."""
@@ -245,7 +268,7 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
 
 @pytest.mark.parametrize("fields, wrong", [
     (dict(block_n=128), "block_n=128"), (dict(block_k=256, epilogue_split=4), "block_k=256"),
-    (dict(num_warps=8), "num_warps=8"), (dict(maxnreg=128), "maxnreg=128"),
+    (dict(num_warps=2), "num_warps=2"), (dict(maxnreg=128), "maxnreg=128"),
     (dict(epilogue_split=2), "epilogue_split=2"), (dict(block_k=128), "epilogue_split=1"),
     (dict(block_t=16), "block_t=16"), (dict(num_stages=5), "num_stages=5")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):

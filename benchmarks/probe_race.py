@@ -1,0 +1,91 @@
+"""Race probe: repeats what ``probe_ab.py`` does before it times a config (a timing loop of
+the kernel, then the bitwise checks) many times, and prints where any differing elements
+sit: tile, column part, rows within the tile, columns within the part. A race between
+warps shows up here as a rare difference confined to a few rows of one part; the unit
+tests, which run each step once on a quiet GPU, may never see it. fp32 AdamW, as
+``bench_update.check_fused_equals_oracle``: fused == oracle, and a captured step (device
+scalars, graph replays at steps 2 and 3) == the uncaptured steps.
+
+    python3 benchmarks/probe_race.py --configs "64,128,64,8,3,None,4,hopper" --shapes 8192x8192 --rounds 12
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from checkout import parse_config  # noqa: E402
+
+fk = bu.fk
+
+
+def where(config, name, a, b):
+    """Where ``a`` and ``b`` differ bitwise, or None."""
+    bad = (a.view(torch.int32) != b.view(torch.int32)).nonzero()
+    if not len(bad):
+        return None
+    rows, cols = bad[:, 0].tolist(), bad[:, 1].tolist()
+    sub = config.block_k // config.epilogue_split
+    tiles = sorted({(r // config.block_n, c // config.block_k) for r, c in zip(rows, cols)})
+    parts = sorted({c % config.block_k // sub for c in cols})
+    return (f"{name}: {len(rows)} differ in {len(tiles)} tiles {tiles[:4]} parts {parts} "
+            f"rows-in-tile {sorted({r % config.block_n for r in rows})[:12]} "
+            f"cols-in-part {sorted({c % sub for c in cols})[:12]}")
+
+
+def differences(n, k, t, config):
+    """The differing tensors' descriptions after one fused/oracle and captured/uncaptured check."""
+    layer = bu.Layer(n, k, t, "fp32", seed=1)
+    r = bu.rule()
+    w_a, w_b = layer.w.clone(), layer.w.clone()
+    s_a = layer.fresh_state(r)
+    s_b = {name: v.clone() for name, v in s_a.items()}
+    fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
+    fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
+    found = [where(config, "oracle " + name, a, b) for name, a, b in [("w", w_a, w_b)] + [(s, s_a[s], s_b[s]) for s in s_a]]
+    w_c = layer.w.clone()
+    s_c = layer.fresh_state(r)
+    s_p = {name: v.clone() for name, v in s_c.items()}
+    scalars = fk.StepScalars(r, seed=3, device="cuda").set(1)
+    graph, _ = bu.capture(lambda: fk.fused_weight_update(layer.x, layer.dy, w_c, s_c, r, scalars, seed=3,
+                                                         config=config, report="defer"))
+    w_p = layer.w.clone()
+    fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, 1, config=config, seed=3)  # the warm-up's step
+    for step in (2, 3):
+        scalars.set(step)
+        graph.replay()
+        fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3)
+    torch.cuda.synchronize()
+    found += [where(config, "captured " + name, a, b) for name, a, b in [("w", w_c, w_p)] + [(s, s_c[s], s_p[s]) for s in s_c]]
+    return [line for line in found if line]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", required=True, help="';'-separated configs as the sweeps print them")
+    parser.add_argument("--shapes", default="8192x8192")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--timed-tokens", type=int, default=1024, help="tokens of the timing loop before each check")
+    args = parser.parse_args()
+    print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}", flush=True)
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        for text in args.configs.split(";"):
+            config = fk.TileConfig(*parse_config(text))
+            failed = 0
+            for i in range(args.rounds):
+                layer = bu.Layer(n, k, args.timed_tokens, "fp32")
+                bu.timed(bu.capture(bu.kernel_step(layer, config))[0].replay)
+                del layer
+                found = differences(n, k, 512, config)
+                failed += bool(found)
+                for line in found:
+                    print(f"  round {i}: {line}", flush=True)
+            print(f"{text} {shape}: {failed} of {args.rounds} rounds differ", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""What both Hopper kernels (``hopper_pingpong``, ``hopper_split``) share: the epilogue's
+arithmetic on one column part of a tile (the portable kernel's rule, rounding, verdict and
+Philox words, bit for bit), read from shared-memory staging slots that a TMA warp fills,
+and the few Gluon names that changed between triton 3.6 and 3.9."""
+
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from .finite_check import BAD_TILES, is_finite
+from .fused_weight_update import _to_storage
+
+_BAD_TILES = gl.constexpr(BAD_TILES)
+# Names that Gluon changed between triton 3.6 and 3.9 (the same operations): the barrier
+# over one partition's warps, and the TMA copy of a global tile into shared memory.
+_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def _epilogue_layout(block_k, num_warps):
+    """Row-major, four consecutive columns per thread, over the epilogue's warps."""
+    across = min(16, block_k // 4)
+    return gl.BlockedLayout([1, 4], [32 // across, across], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _pair_layout(block_k, num_warps):
+    """``_epilogue_layout`` over column pairs: a pair joined with itself is ``_epilogue_layout``."""
+    across = min(16, block_k // 4)
+    return gl.BlockedLayout([1, 2], [32 // across, across], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _words(seed, row0, col0, global_k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, ALIGNED: gl.constexpr,
+           NUM_WARPS: gl.constexpr):
+    """The portable ``paired_words`` for the tile whose first element sits at global
+    (row0, col0): one Philox call per pair of neighbouring columns, the even column taking
+    each word's low 16 bits and the odd one the high 16; an odd ``col0`` draws per element."""
+    epi: gl.constexpr = _epilogue_layout(BLOCK_K, NUM_WARPS)
+    pairs_per_row = (global_k + 1) // 2
+    if ALIGNED:
+        pair: gl.constexpr = _pair_layout(BLOCK_K, NUM_WARPS)
+        rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pair))
+        pairs = col0 // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pair))
+        counter = (rows.to(gl.int64)[:, None] * pairs_per_row + pairs[None, :]).to(gl.uint32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        w0 = gl.convert_layout(gl.reshape(gl.join(r0, r0 >> 16), [BLOCK_N, BLOCK_K]), epi)
+        w1 = gl.convert_layout(gl.reshape(gl.join(r1, r1 >> 16), [BLOCK_N, BLOCK_K]), epi)
+        w2 = gl.convert_layout(gl.reshape(gl.join(r2, r2 >> 16), [BLOCK_N, BLOCK_K]), epi)
+        w3 = gl.convert_layout(gl.reshape(gl.join(r3, r3 >> 16), [BLOCK_N, BLOCK_K]), epi)
+    else:
+        rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
+        cols = col0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, epi))
+        counter = (rows.to(gl.int64)[:, None] * pairs_per_row + (cols // 2)[None, :]).to(gl.uint32)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        shift = ((cols % 2) * 16).to(gl.uint32)[None, :]
+        w0 = r0 >> shift
+        w1 = r1 >> shift
+        w2 = r2 >> shift
+        w3 = r3 >> shift
+    return w0, w1, w2, w3
+
+
+@gluon.jit
+def _slot(smem, zeros, HAS: gl.constexpr, layout: gl.constexpr):
+    """A slot's part in fp32, or zeros for a slot the rule lacks (as the portable kernel)."""
+    value = zeros
+    if HAS:
+        value = smem.load(layout).to(gl.float32)
+    return value
+
+
+@gluon.jit
+def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem, s0_smem, s1_smem, s2_smem,
+                   epi_ready, epi_free, phase, grad_free, RELEASE_GRAD: gl.constexpr, inputs_ok, flag, off_n, off_k,
+                   N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed,
+                   RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+                   HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
+                   ALIGNED: gl.constexpr, WARPS: gl.constexpr):
+    """The portable epilogue's arithmetic on one column part (BLOCK_N x SUB) of a tile, on
+    ``WARPS`` warps: its gradient ``g`` in the epilogue layout, its weight and state in one
+    staging slot, the portable kernel's ``_rule_epilogue`` on its ``epilogue_split`` slice
+    ``flag``. With ``RELEASE_GRAD`` (the last part of a tile whose gradient waits in a slot
+    of its own) that slot is handed back (``grad_free``) with the staging slot."""
+    BLOCK_N: gl.constexpr = w_smem.shape[0]
+    SUB: gl.constexpr = w_smem.shape[1]
+    epi: gl.constexpr = _epilogue_layout(SUB, WARPS)
+    g = g * grad_scale
+    mbarrier.wait(epi_ready, phase)
+    w = w_smem.load(epi).to(gl.float32)
+    zeros = gl.zeros_like(w)
+    s0 = _slot(s0_smem, zeros, HAS_S0, epi)
+    s1 = _slot(s1_smem, zeros, HAS_S1, epi)
+    s2 = _slot(s2_smem, zeros, HAS_S2, epi)
+    # The slot's next TMA copy is issued once every warp has passed the barrier below, but a
+    # warp's loads may still be in flight there, and the copy's writes (the async proxy) are
+    # not ordered behind them: this proxy fence is what keeps the copy from overwriting
+    # values not yet read (without it, eight epilogue warps read part of a weight row of
+    # the next part on an H200: results/tuning/h200-slot-war-race.log).
+    fence_async_shared()
+    _partition_barrier()  # every warp has read the slot (and g) before either is reused
+    mbarrier.arrive(epi_free)
+    if RELEASE_GRAD:
+        mbarrier.arrive(grad_free)
+    w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
+    r0 = zeros.to(gl.uint32, bitcast=True)  # placeholders: nearest rounding and fp32 stores draw nothing
+    r1 = r0
+    r2 = r0
+    r3 = r0
+    if STOCHASTIC and (W_BF16 or S_BF16):
+        r0, r1, r2, r3 = _words(seed, off_n + row0, off_k + col0, global_k, BLOCK_N, SUB, ALIGNED, WARPS)
+    # The portable verdict, slots the rule lacks included (it returns them as given).
+    w = _to_storage(w, r0, W_BF16, STOCHASTIC)
+    s0 = _to_storage(s0, r1, S_BF16, STOCHASTIC)
+    s1 = _to_storage(s1, r2, S_BF16, STOCHASTIC)
+    s2 = _to_storage(s2, r3, S_BF16, STOCHASTIC)
+    finite = (is_finite(g) & is_finite(w.to(gl.float32)) & is_finite(s0.to(gl.float32))
+              & is_finite(s1.to(gl.float32)) & is_finite(s2.to(gl.float32)))
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
+    cols = off_k + gl.arange(0, SUB, layout=gl.SliceLayout(0, epi))
+    inside = (rows < N)[:, None] & (cols < K)[None, :]
+    num_bad = gl.sum(gl.sum(gl.where(inside & ~finite, 1, 0), axis=1), axis=0)
+    idx = rows[:, None] * K + cols[None, :]
+    keep = inside & ((idx * 0 + ((num_bad == 0) & inputs_ok).to(gl.int32)) != 0)
+    gl.store(w_ptr + idx, w, mask=keep)
+    if HAS_S0:
+        gl.store(s0_ptr + idx, s0, mask=keep)
+    if HAS_S1:
+        gl.store(s1_ptr + idx, s1, mask=keep)
+    if HAS_S2:
+        gl.store(s2_ptr + idx, s2, mask=keep)
+    gl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
+    gl.store(flag_ptr + flag, num_bad)
+
+
+@gluon.jit
+def _staging_buffer(desc, weight_smem, HAS: gl.constexpr, SLOTS: gl.constexpr):
+    """A slot's staging buffers, or the weight's (never touched) for a slot the rule lacks."""
+    if HAS:
+        buffer = gl.allocate_shared_memory(desc.dtype, [SLOTS] + desc.block_type.shape, desc.layout)
+    else:
+        buffer = weight_smem
+    return buffer
+
+
+@gluon.jit
+def _barriers(count: gl.constexpr):
+    """``count`` mbarriers, each completing a phase at one arrival (plus any expected bytes)."""
+    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(count):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
