@@ -42,7 +42,7 @@ fk = forge_kernels()
 from forge_kernels.ops.finite_check import STATUS_WORDS, is_finite  # noqa: E402
 from forge_kernels.ops.stochastic_round import stream_seed  # noqa: E402
 from forge_kernels.ops.fused_weight_update import _BAD_TILES, _to_storage  # noqa: E402
-from forge_kernels.ops.hopper_epilogue import _epilogue_layout, _words  # noqa: E402
+from forge_kernels.ops.hopper_common import _epilogue_layout, _words  # noqa: E402
 from forge_kernels.ops.hopper_update import _operand_descriptor, _tile_descriptor  # noqa: E402
 
 

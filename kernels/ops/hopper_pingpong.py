@@ -8,11 +8,11 @@ column part of the tile at a time, each part's weight and state in one of two sl
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .fused_weight_update import _device_scalars
-from .hopper_epilogue import (_barriers, _epilogue_layout, _epilogue_part, _partition_barrier, _staging_buffer,
-                              _tma_load)
+from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
+                            _partition_barrier, _staging_buffer, _token_loop)
 
 # Registers per thread asked for the second consumer warpgroup (the first takes what is
 # left, the TMA warps 24 each). ptxas still allocates the kernel within 168 (65,536 over
@@ -28,21 +28,10 @@ def _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2
     slots (part j in slot j % slots), each once the consumer has read the slot's last part."""
     SUB: gl.constexpr = w_desc.block_type.shape[1]
     SLOTS: gl.constexpr = w_smem.shape[0]
-    EPI_BYTES: gl.constexpr = (w_desc.block_type.nbytes + HAS_S0 * s0_desc.block_type.nbytes
-                               + HAS_S1 * s1_desc.block_type.nbytes + HAS_S2 * s2_desc.block_type.nbytes)
     for j in gl.static_range(FIRST, LAST):
-        slot = j % SLOTS
         uses = visit * (SPLIT // SLOTS) + j // SLOTS  # earlier fills of this slot
-        # A fresh barrier counts as released once: waiting on the other parity passes.
-        mbarrier.wait(epi_free.index(slot), (uses & 1) ^ 1)
-        mbarrier.expect(epi_ready.index(slot), EPI_BYTES)
-        _tma_load(w_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), w_smem.index(slot))
-        if HAS_S0:
-            _tma_load(s0_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), s0_smem.index(slot))
-        if HAS_S1:
-            _tma_load(s1_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), s1_smem.index(slot))
-        if HAS_S2:
-            _tma_load(s2_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), s2_smem.index(slot))
+        _fill_slot(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
+                   j % SLOTS, uses, off_n, off_k + j * SUB, HAS_S0, HAS_S1, HAS_S2)
 
 
 @gluon.jit
@@ -64,7 +53,6 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
     SPLIT: gl.constexpr = BLOCK_K // w_desc.block_type.shape[1]
     SLOTS: gl.constexpr = w_smem.shape[0]
     STAGES: gl.constexpr = dy_bufs.shape[0]
-    BLOCK_BYTES: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     num_t = gl.cdiv(T, BLOCK_T)
@@ -80,11 +68,7 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
             _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
                          off_n, off_k, visit, 0, SLOTS, HAS_S0, HAS_S1, HAS_S2, SPLIT)
         for i in range(num_t):
-            stage = counter % STAGES
-            mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), BLOCK_BYTES)
-            _tma_load(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
-            _tma_load(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
+            _fill_stage(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, counter, i, off_n, off_k)
             counter += 1
             if i + 1 == early:
                 _stage_parts(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready,
@@ -112,7 +96,6 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
     SUB: gl.constexpr = w_smem.shape[2]
     SPLIT: gl.constexpr = BLOCK_K // SUB
     SLOTS: gl.constexpr = w_smem.shape[0]
-    STAGES: gl.constexpr = dy_bufs.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
     epi: gl.constexpr = _epilogue_layout(SUB, 4)
     tiles_k = gl.cdiv(K, BLOCK_K)
@@ -129,14 +112,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
         off_n = (tile // tiles_k) * BLOCK_N
         off_k = (tile % tiles_k) * BLOCK_K
         acc = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.float32, layout=mma)
-        for i in range(num_t):
-            stage = counter % STAGES
-            mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-            dy_t = dy_bufs.index(stage).permute((1, 0))
-            acc = warpgroup_mma(dy_t, x_bufs.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(stage))
-            counter += 1
+        acc, counter = _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t)
         if SPLIT == 1:
             _epilogue_part(gl.convert_layout(acc, epi), w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr,
                            w_smem.index(0), s0_smem.index(0), s1_smem.index(0), s2_smem.index(0),

@@ -9,11 +9,11 @@ waiting (results/tuning/h200-split-kernel.log)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .fused_weight_update import _device_scalars
-from .hopper_epilogue import (_barriers, _epilogue_layout, _epilogue_part, _partition_barrier, _staging_buffer,
-                              _tma_load)
+from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
+                            _partition_barrier, _staging_buffer, _token_loop)
 
 # Registers per thread asked for the matrix warpgroup (its accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
@@ -27,8 +27,6 @@ def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K):
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    STAGES: gl.constexpr = dy_bufs.shape[0]
-    BLOCK_BYTES: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     num_t = gl.cdiv(T, BLOCK_T)
@@ -37,11 +35,7 @@ def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K):
         off_n = (tile // tiles_k) * BLOCK_N
         off_k = (tile % tiles_k) * BLOCK_K
         for i in range(num_t):
-            stage = counter % STAGES
-            mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), BLOCK_BYTES)
-            _tma_load(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
-            _tma_load(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
+            _fill_stage(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, counter, i, off_n, off_k)
             counter += 1
 
 
@@ -55,8 +49,6 @@ def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s
     SUB: gl.constexpr = w_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BLOCK_K // SUB
     SLOTS: gl.constexpr = w_smem.shape[0]
-    EPI_BYTES: gl.constexpr = (w_desc.block_type.nbytes + HAS_S0 * s0_desc.block_type.nbytes
-                               + HAS_S1 * s1_desc.block_type.nbytes + HAS_S2 * s2_desc.block_type.nbytes)
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     part = 0
@@ -64,16 +56,8 @@ def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s
         off_n = (tile // tiles_k) * BLOCK_N
         off_k = (tile % tiles_k) * BLOCK_K
         for j in gl.static_range(SPLIT):
-            slot = part % SLOTS
-            mbarrier.wait(epi_free.index(slot), ((part // SLOTS) & 1) ^ 1)
-            mbarrier.expect(epi_ready.index(slot), EPI_BYTES)
-            _tma_load(w_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), w_smem.index(slot))
-            if HAS_S0:
-                _tma_load(s0_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), s0_smem.index(slot))
-            if HAS_S1:
-                _tma_load(s1_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), s1_smem.index(slot))
-            if HAS_S2:
-                _tma_load(s2_desc, [off_n, off_k + j * SUB], epi_ready.index(slot), s2_smem.index(slot))
+            _fill_slot(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
+                       part % SLOTS, part // SLOTS, off_n, off_k + j * SUB, HAS_S0, HAS_S1, HAS_S2)
             part += 1
 
 
@@ -87,7 +71,6 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
     BLOCK_T: gl.constexpr = x_bufs.shape[1]
     BLOCK_N: gl.constexpr = dy_bufs.shape[2]
     BLOCK_K: gl.constexpr = x_bufs.shape[2]
-    STAGES: gl.constexpr = dy_bufs.shape[0]
     GSLOTS: gl.constexpr = grad_smem.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
     tiles_k = gl.cdiv(K, BLOCK_K)
@@ -97,14 +80,7 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
     visit = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.float32, layout=mma)
-        for i in range(num_t):
-            stage = counter % STAGES
-            mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-            dy_t = dy_bufs.index(stage).permute((1, 0))
-            acc = warpgroup_mma(dy_t, x_bufs.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(stage))
-            counter += 1
+        acc, counter = _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t)
         slot = visit % GSLOTS
         # A fresh barrier counts as released once: waiting on the other parity passes.
         mbarrier.wait(grad_free.index(slot), ((visit // GSLOTS) & 1) ^ 1)

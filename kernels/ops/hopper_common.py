@@ -1,12 +1,14 @@
-"""What both Hopper kernels (``hopper_pingpong``, ``hopper_split``) share: the epilogue's
-arithmetic on one column part of a tile (the portable kernel's rule, rounding, verdict and
-Philox words, bit for bit), read from shared-memory staging slots that a TMA warp fills,
-and the few Gluon names that changed between triton 3.6 and 3.9."""
+"""What both Hopper kernel structures (``hopper_pingpong``, ``hopper_split``) share: a
+tile's token loop on wgmma, the TMA copy of one block of it into the ring, and the
+epilogue's arithmetic on one column part of a tile (the portable kernel's rule, rounding,
+verdict and Philox words, bit for bit), read from staging slots a TMA warp fills; and the
+few Gluon names that changed between triton 3.6 and 3.9."""
 
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .finite_check import BAD_TILES, is_finite
 from .fused_weight_update import _to_storage
@@ -16,6 +18,58 @@ _BAD_TILES = gl.constexpr(BAD_TILES)
 # over one partition's warps, and the TMA copy of a global tile into shared memory.
 _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t):
+    """A tile's dW block over all its tokens: ``acc += dyᵀ x`` on wgmma, one ring stage at
+    a time in token order (the portable kernel's ``tl.dot`` over the same blocks), each
+    stage released once its wgmma is done. ``counter`` counts the stages taken so far
+    (the ring's position and barrier phase); returns the accumulator and the new count."""
+    STAGES: gl.constexpr = dy_bufs.shape[0]
+    for i in range(num_t):
+        stage = counter % STAGES
+        mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+        dy_t = dy_bufs.index(stage).permute((1, 0))
+        acc = warpgroup_mma(dy_t, x_bufs.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(free.index(stage))
+        counter += 1
+    return acc, counter
+
+
+@gluon.jit
+def _fill_stage(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, counter, i, off_n, off_k):
+    """Copy token block ``i`` of the tile at (off_n, off_k), its dy and x, into the ring's
+    next stage once the matrix warps have released it."""
+    BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
+    STAGES: gl.constexpr = dy_bufs.shape[0]
+    BLOCK_BYTES: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
+    stage = counter % STAGES
+    # A fresh barrier counts as released once: waiting on the other parity passes.
+    mbarrier.wait(free.index(stage), ((counter // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), BLOCK_BYTES)
+    _tma_load(dy_desc, [i * BLOCK_T, off_n], ready.index(stage), dy_bufs.index(stage))
+    _tma_load(x_desc, [i * BLOCK_T, off_k], ready.index(stage), x_bufs.index(stage))
+
+
+@gluon.jit
+def _fill_slot(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, slot,
+               uses, off_n, col, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr):
+    """Copy the weight's and each state slot's column part at (off_n, col) into staging
+    slot ``slot`` once the epilogue has read what its ``uses`` earlier fills put there."""
+    EPI_BYTES: gl.constexpr = (w_desc.block_type.nbytes + HAS_S0 * s0_desc.block_type.nbytes
+                               + HAS_S1 * s1_desc.block_type.nbytes + HAS_S2 * s2_desc.block_type.nbytes)
+    # A fresh barrier counts as released once: waiting on the other parity passes.
+    mbarrier.wait(epi_free.index(slot), (uses & 1) ^ 1)
+    mbarrier.expect(epi_ready.index(slot), EPI_BYTES)
+    _tma_load(w_desc, [off_n, col], epi_ready.index(slot), w_smem.index(slot))
+    if HAS_S0:
+        _tma_load(s0_desc, [off_n, col], epi_ready.index(slot), s0_smem.index(slot))
+    if HAS_S1:
+        _tma_load(s1_desc, [off_n, col], epi_ready.index(slot), s1_smem.index(slot))
+    if HAS_S2:
+        _tma_load(s2_desc, [off_n, col], epi_ready.index(slot), s2_smem.index(slot))
 
 
 @gluon.constexpr_function
