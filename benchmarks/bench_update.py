@@ -293,8 +293,10 @@ def kernel_times(step):
     return eager, replayed, host_us(step)
 
 
-def check_fused_equals_oracle(n, k, t, regime, config):
-    """The benchmarked config gives the oracle's bits (a fast kernel must compute the same function)."""
+def oracle_and_captured_pairs(n, k, t, regime, config):
+    """The tensors that must be bitwise equal for ``config`` on a fresh layer, as (name,
+    got, expected): the fused step against the oracle, then the captured step
+    (StepScalars, graph replays at steps 2 and 3) against the uncaptured steps."""
     layer = Layer(n, k, t, regime, seed=1)
     r = rule()
     w_a, w_b = layer.w.clone(), layer.w.clone()
@@ -302,12 +304,7 @@ def check_fused_equals_oracle(n, k, t, regime, config):
     s_b = {name: v.clone() for name, v in s_a.items()}
     fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
     fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
-    # Bitwise, whatever the dtype (torch.equal alone would let -0.0 match 0.0).
-    pairs = [(w_a, w_b)] + [(s_a[name], s_b[name]) for name in s_a]
-    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
-    if not same:
-        raise AssertionError(f"fused != oracle for {regime} {n}x{k} T={t} {config}")
-    # The captured step (StepScalars, graph replays at steps 2 and 3) gives the uncaptured steps' bits.
+    pairs = [("oracle w", w_a, w_b)] + [(f"oracle {name}", s_a[name], s_b[name]) for name in s_a]
     w_c = layer.w.clone()
     s_c = layer.fresh_state(r)
     s_p = {name: v.clone() for name, v in s_c.items()}
@@ -320,9 +317,17 @@ def check_fused_equals_oracle(n, k, t, regime, config):
         scalars.set(step)
         graph.replay()
         fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3)
-    pairs = [(w_c, w_p)] + [(s_c[name], s_p[name]) for name in s_c]
-    if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs):
-        raise AssertionError(f"captured != uncaptured for {regime} {n}x{k} T={t} {config}")
+    return pairs + [("captured w", w_c, w_p)] + [(f"captured {name}", s_c[name], s_p[name]) for name in s_c]
+
+
+def check_fused_equals_oracle(n, k, t, regime, config):
+    """The benchmarked config gives the oracle's bits (a fast kernel must compute the same
+    function), and its captured step the uncaptured steps' bits."""
+    for name, got, expected in oracle_and_captured_pairs(n, k, t, regime, config):
+        # Bitwise, whatever the dtype (torch.equal alone would let -0.0 match 0.0).
+        if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
+            what = "fused != oracle" if name.startswith("oracle") else "captured != uncaptured"
+            raise AssertionError(f"{what} ({name.split()[1]}) for {regime} {n}x{k} T={t} {config}")
 
 
 def tuned_config(configs, regime, t):

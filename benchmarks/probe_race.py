@@ -19,9 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
 from checkout import parse_config  # noqa: E402
 
-fk = bu.fk
-
-
 def where(config, name, a, b):
     """Where ``a`` and ``b`` differ bitwise, or None."""
     bad = (a.view(torch.int32) != b.view(torch.int32)).nonzero()
@@ -37,30 +34,9 @@ def where(config, name, a, b):
 
 
 def differences(n, k, t, config):
-    """The differing tensors' descriptions after one fused/oracle and captured/uncaptured check."""
-    layer = bu.Layer(n, k, t, "fp32", seed=1)
-    r = bu.rule()
-    w_a, w_b = layer.w.clone(), layer.w.clone()
-    s_a = layer.fresh_state(r)
-    s_b = {name: v.clone() for name, v in s_a.items()}
-    fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
-    fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
-    found = [where(config, "oracle " + name, a, b) for name, a, b in [("w", w_a, w_b)] + [(s, s_a[s], s_b[s]) for s in s_a]]
-    w_c = layer.w.clone()
-    s_c = layer.fresh_state(r)
-    s_p = {name: v.clone() for name, v in s_c.items()}
-    scalars = fk.StepScalars(r, seed=3, device="cuda").set(1)
-    graph, _ = bu.capture(lambda: fk.fused_weight_update(layer.x, layer.dy, w_c, s_c, r, scalars, seed=3,
-                                                         config=config, report="defer"))
-    w_p = layer.w.clone()
-    fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, 1, config=config, seed=3)  # the warm-up's step
-    for step in (2, 3):
-        scalars.set(step)
-        graph.replay()
-        fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3)
-    torch.cuda.synchronize()
-    found += [where(config, "captured " + name, a, b) for name, a, b in [("w", w_c, w_p)] + [(s, s_c[s], s_p[s]) for s in s_c]]
-    return [line for line in found if line]
+    """Where the fused step differs from the oracle, and the captured from the uncaptured."""
+    pairs = bu.oracle_and_captured_pairs(n, k, t, "fp32", config)
+    return [line for line in (where(config, *pair) for pair in pairs) if line]
 
 
 def main():
@@ -74,7 +50,7 @@ def main():
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         for text in args.configs.split(";"):
-            config = fk.TileConfig(*parse_config(text))
+            config = bu.fk.TileConfig(*parse_config(text))
             failed = 0
             for i in range(args.rounds):
                 layer = bu.Layer(n, k, args.timed_tokens, "fp32")
