@@ -293,10 +293,9 @@ def kernel_times(step):
     return eager, replayed, host_us(step)
 
 
-def oracle_and_captured_pairs(n, k, t, regime, config):
-    """The tensors that must be bitwise equal for ``config`` on a fresh layer, as (name,
-    got, expected): the fused step against the oracle, then the captured step
-    (StepScalars, graph replays at steps 2 and 3) against the uncaptured steps."""
+def oracle_pairs(n, k, t, regime, config):
+    """(name, fused, oracle) for each tensor of one step of ``config`` on a fresh layer:
+    they must be bitwise equal (a fast kernel must compute the same function)."""
     layer = Layer(n, k, t, regime, seed=1)
     r = rule()
     w_a, w_b = layer.w.clone(), layer.w.clone()
@@ -304,7 +303,15 @@ def oracle_and_captured_pairs(n, k, t, regime, config):
     s_b = {name: v.clone() for name, v in s_a.items()}
     fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
     fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
-    pairs = [("oracle w", w_a, w_b)] + [(f"oracle {name}", s_a[name], s_b[name]) for name in s_a]
+    return [("w", w_a, w_b)] + [(name, s_a[name], s_b[name]) for name in s_a]
+
+
+def captured_pairs(n, k, t, regime, config):
+    """(name, captured, uncaptured) for each tensor after steps 1-3 of ``config`` on a fresh
+    layer, the captured ones a StepScalars graph replayed at steps 2 and 3 after its
+    warm-up's step 1: they must be bitwise equal."""
+    layer = Layer(n, k, t, regime, seed=1)
+    r = rule()
     w_c = layer.w.clone()
     s_c = layer.fresh_state(r)
     s_p = {name: v.clone() for name, v in s_c.items()}
@@ -317,17 +324,17 @@ def oracle_and_captured_pairs(n, k, t, regime, config):
         scalars.set(step)
         graph.replay()
         fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3)
-    return pairs + [("captured w", w_c, w_p)] + [(f"captured {name}", s_c[name], s_p[name]) for name in s_c]
+    return [("w", w_c, w_p)] + [(name, s_c[name], s_p[name]) for name in s_c]
 
 
 def check_fused_equals_oracle(n, k, t, regime, config):
-    """The benchmarked config gives the oracle's bits (a fast kernel must compute the same
-    function), and its captured step the uncaptured steps' bits."""
-    for name, got, expected in oracle_and_captured_pairs(n, k, t, regime, config):
-        # Bitwise, whatever the dtype (torch.equal alone would let -0.0 match 0.0).
-        if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
-            what = "fused != oracle" if name.startswith("oracle") else "captured != uncaptured"
-            raise AssertionError(f"{what} ({name.split()[1]}) for {regime} {n}x{k} T={t} {config}")
+    """The benchmarked config gives the oracle's bits, and its captured step the
+    uncaptured steps' bits (checked in that order: the first mismatch is reported)."""
+    for what, pairs in (("fused != oracle", oracle_pairs), ("captured != uncaptured", captured_pairs)):
+        for name, got, expected in pairs(n, k, t, regime, config):
+            # Bitwise, whatever the dtype (torch.equal alone would let -0.0 match 0.0).
+            if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
+                raise AssertionError(f"{what} ({name}) for {regime} {n}x{k} T={t} {config}")
 
 
 def tuned_config(configs, regime, t):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
 from checkout import parse_config  # noqa: E402
 
+
 def where(config, name, a, b):
     """Where ``a`` and ``b`` differ bitwise, or None."""
     bad = (a.view(torch.int32) != b.view(torch.int32)).nonzero()
@@ -35,8 +36,11 @@ def where(config, name, a, b):
 
 def differences(n, k, t, config):
     """Where the fused step differs from the oracle, and the captured from the uncaptured."""
-    pairs = bu.oracle_and_captured_pairs(n, k, t, "fp32", config)
-    return [line for line in (where(config, *pair) for pair in pairs) if line]
+    found = [where(config, f"oracle {name}", got, expected)
+             for name, got, expected in bu.oracle_pairs(n, k, t, "fp32", config)]
+    found += [where(config, f"captured {name}", got, expected)
+              for name, got, expected in bu.captured_pairs(n, k, t, "fp32", config)]
+    return [line for line in found if line]
 
 
 def main():

@@ -9,7 +9,7 @@ Arguments: regime (fp32, bf16-sr, q8), rounding (stochastic, nearest, none), tok
 runs the epilogue alone), and optionally a config as the sweeps print it (default: the
 tuned config for the token count). 4096 x 4096.
 
-    ncu ... --kernel-name regex:_hopper_update_kernel ... python3 benchmarks/profile_case.py \
+    ncu ... --kernel-name regex:'pingpong_kernel|split_kernel' ... python3 benchmarks/profile_case.py \
         fp32 none 1024 "64,128,32,4,2,None,4,hopper"
 """
 

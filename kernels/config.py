@@ -61,9 +61,9 @@ class TileConfig:
             self._check_hopper()
 
     def _check_hopper(self):
-        """The shapes the Hopper kernel is built for: a 64-row wgmma tile per consumer
+        """The shapes the Hopper kernel is built for: a 64-row wgmma tile per matrix
         warpgroup, its weight and state staged in shared memory one column part of 32 or
-        64 at a time."""
+        64 at a time, and 4 warps (ping-pong consumers) or 8 (split epilogue warps)."""
         part = self.block_k // self.epilogue_split
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
             ("block_n", "64", self.block_n == 64),

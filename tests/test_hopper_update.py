@@ -165,6 +165,25 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("regime, rule_name", [("fp32", "adamw"), ("bf16-sr", "adamw")])
+@pytest.mark.parametrize("col_start", [0, 3])
+def test_split_kernel_with_several_tiles_per_slot(regime, rule_name, col_start, launches):
+    """1024 x 5120 is 640 tiles of 64 x 128, about five per program on a 132-multiprocessor
+    GPU: each of the split kernel's two gradient slots and two staging slots is refilled
+    several times, so every mbarrier of the matrix-to-epilogue hand-off goes through both
+    parities more than once."""
+    w_dtype, state_format, rounding = REGIMES[regime]
+    rule = RULES[rule_name]()
+    x, dy, w = _inputs(96, 1024, 5120, w_dtype, seed=6)
+    state = _state(rule, w, state_format)
+    kwargs = dict(rounding=rounding, seed=13, weight_slice=fk.WeightSlice(64, col_start, (1152, 5200)))
+    fast = _steps(SPLIT, rule, x, dy, w, state, **kwargs)
+    assert launches[0] == 2
+    _assert_same(fast, _steps(_portable(SPLIT), rule, x, dy, w, state, **kwargs), "portable")
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS[1:4] + [fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=2, kernel="hopper"),
                                                   fk.TileConfig(64, 64, 128, 8, 4, kernel="hopper")],
                          ids=lambda c: _name(c))
@@ -177,14 +196,14 @@ def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
     x, dy, w = _inputs(100, 200, 72, torch.float32)
     state = _state(rule, w, "fp32")
     w_k, s_k = w.clone(), {name: value.clone() for name, value in state.items()}
-    with pytest.raises(ValueError, match="shared memory"):
+    with pytest.raises(ValueError, match="out of resource: shared memory"):
         fk.fused_weight_update(x, dy, w_k, s_k, rule, 1, config=config)
     _assert_same((w, state), (w_k, s_k), "after the refusal")
 
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS], ids=["64-token", "32-token"])
+@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT], ids=["64-token", "32-token", "split"])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, launches):
     """A shard at rows 64.., columns ``col_start``.. of a larger weight, with a gradient
@@ -264,6 +283,17 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
         found.append((raised.value.tiles, w_k))
     assert found[0][0] == found[1][0] == [(64, 128, 32, 64)]
     assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
+
+
+def test_num_warps_picks_the_structure():
+    """4 warps run the ping-pong kernel, 8 the split one (a config launched on the other
+    structure would compile for a partition it was not written for). Gluon compiles
+    nothing here: only the dispatch is checked, on any machine."""
+    pytest.importorskip("triton.experimental.gluon")
+    from forge_kernels.ops import hopper_pingpong, hopper_split, hopper_update
+    assert hopper_update.kernel_for(CONFIGS[1]) is hopper_pingpong.pingpong_kernel
+    assert hopper_update.kernel_for(SPLIT) is hopper_split.split_kernel
+    assert {config.num_warps for config in CONFIGS} == {4, 8}
 
 
 @pytest.mark.parametrize("fields, wrong", [

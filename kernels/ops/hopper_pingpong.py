@@ -8,7 +8,6 @@ column part of the tile at a time, each part's weight and state in one of two sl
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .fused_weight_update import _device_scalars
 from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
