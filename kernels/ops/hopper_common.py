@@ -132,14 +132,15 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
                    N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                    HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
-                   ALIGNED: gl.constexpr, WARPS: gl.constexpr):
+                   ALIGNED: gl.constexpr):
     """The portable epilogue's arithmetic on one column part (BLOCK_N x SUB) of a tile, on
-    ``WARPS`` warps: its gradient ``g`` in the epilogue layout, its weight and state in one
+    the calling partition's warps: its gradient ``g`` in the epilogue layout, its weight and state in one
     staging slot, the portable kernel's ``_rule_epilogue`` on its ``epilogue_split`` slice
     ``flag``. With ``RELEASE_GRAD`` (the last part of a tile whose gradient waits in a slot
     of its own) that slot is handed back (``grad_free``) with the staging slot."""
     BLOCK_N: gl.constexpr = w_smem.shape[0]
     SUB: gl.constexpr = w_smem.shape[1]
+    WARPS: gl.constexpr = gl.num_warps()  # a ping-pong consumer's 4, the split kernel's epilogue's 8
     epi: gl.constexpr = _epilogue_layout(SUB, WARPS)
     g = g * grad_scale
     mbarrier.wait(epi_ready, phase)

@@ -96,7 +96,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
     SPLIT: gl.constexpr = BLOCK_K // SUB
     SLOTS: gl.constexpr = w_smem.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
-    epi: gl.constexpr = _epilogue_layout(SUB, 4)
+    epi: gl.constexpr = _epilogue_layout(SUB, gl.num_warps())
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     num_t = gl.cdiv(T, BLOCK_T)
@@ -117,7 +117,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
                            w_smem.index(0), s0_smem.index(0), s1_smem.index(0), s2_smem.index(0),
                            epi_ready.index(0), epi_free.index(0), visit & 1, epi_free.index(0), False, inputs_ok,
                            tile, off_n, off_k, N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
-                           seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, 4)
+                           seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED)
         else:
             acc_smem.store(acc)
             _partition_barrier()  # the whole accumulator is in shared memory before any part is read
@@ -129,7 +129,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
                                s2_smem.index(slot), epi_ready.index(slot), epi_free.index(slot), uses & 1,
                                epi_free.index(slot), False, inputs_ok, tile * SPLIT + j, off_n, off_k + j * SUB, N, K,
                                row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT,
-                               HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, 4)
+                               HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED)
         visit += 1
 
 

@@ -96,7 +96,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
               grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
               RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
-              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, WARPS: gl.constexpr):
+              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr):
     """The epilogue warps (the default partition): each tile's gradient from its slot, part
     by part, with the part's weight and state from its staging slot, through the rule,
     the rounding and the verdict, while the matrix warpgroup computes the next tiles."""
@@ -106,7 +106,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
     SPLIT: gl.constexpr = BLOCK_K // SUB
     SLOTS: gl.constexpr = w_smem.shape[0]
     GSLOTS: gl.constexpr = grad_smem.shape[0]
-    epi: gl.constexpr = _epilogue_layout(SUB, WARPS)
+    epi: gl.constexpr = _epilogue_layout(SUB, gl.num_warps())
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     if DEVICE_SCALARS:
@@ -128,7 +128,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
                            s2_smem.index(slot), epi_ready.index(slot), epi_free.index(slot), (part // SLOTS) & 1,
                            grad_free.index(gslot), j == SPLIT - 1, inputs_ok, tile * SPLIT + j, off_n,
                            off_k + j * SUB, N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
-                           seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, WARPS)
+                           seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED)
             part += 1
         visit += 1
 
@@ -140,7 +140,7 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
                  RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, WARPS: gl.constexpr):
+                 NUM_STAGES: gl.constexpr):
     """Persistent, one program per multiprocessor: the matrix warpgroup computes this
     program's gradient tiles one after another into two gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
@@ -167,7 +167,7 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
                      w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
                      grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, RULE, VARIANT,
-                     HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS, WARPS)),
+                     HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS)),
         (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,

@@ -94,17 +94,15 @@ def launch(epilogue, x, dy, weight):
     grid = (min(tiles, _multiprocessors(weight.device.index if weight.device.index is not None
                                         else torch.cuda.current_device())),)
     args = epilogue.rule_args
-    kernel = kernel_for(config)
-    extra = dict(WARPS=config.num_warps) if kernel is split_kernel else {}
     try:
-        return kernel[grid](
+        return kernel_for(config)[grid](
             *descriptors(config, x, dy, weight, epilogue.slot_tensors), weight, *epilogue.slot_tensors,
             epilogue.flags, epilogue.status, T, N, K, *epilogue.place,
             epilogue.grad_scale, *epilogue.scalars, epilogue.seed, *epilogue.device_scalars,
             RULE=args["RULE"], VARIANT=args["VARIANT"], HAS_S0=args["HAS_S0"], HAS_S1=args["HAS_S1"],
             HAS_S2=args["HAS_S2"], W_BF16=args["W_BF16"], S_BF16=args["S_BF16"], STOCHASTIC=args["STOCHASTIC"],
             ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"], NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps, enable_fp_fusion=False, **extra)
+            num_warps=config.num_warps, enable_fp_fusion=False)
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
         raise ValueError(f"{config} stages its token blocks, weight and state parts and its gradient tiles (two "
                          f"slots in the split kernel; one per consumer for a tile of several parts in the "
