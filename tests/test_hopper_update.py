@@ -117,6 +117,19 @@ def _assert_same(a, b, where):
         assert_bitwise_equal(a[1][name], b[1][name], f"{where}: {name}")
 
 
+def _assert_portable_bits_in_a_slice(config, regime, rule_name, shape, where, seeds, launches):
+    """Two steps of ``config`` on a (tokens, rows, columns) weight placed at ``where`` in a
+    larger one give the portable kernel's bits; ``seeds``: the inputs' and the rounding's."""
+    w_dtype, state_format, rounding = REGIMES[regime]
+    rule = RULES[rule_name]()
+    x, dy, w = _inputs(*shape, w_dtype, seed=seeds[0])
+    state = _state(rule, w, state_format)
+    kwargs = dict(rounding=rounding, seed=seeds[1], weight_slice=where)
+    fast = _steps(config, rule, x, dy, w, state, **kwargs)
+    assert launches[0] == 2
+    _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, **kwargs), "portable")
+
+
 def _name(config):
     return f"{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}w{config.num_warps}"
 
@@ -153,14 +166,8 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
     the split kernel's gradient slots) take tiles, the barriers go through several phases
     and the rings (and a wide tile's two staging slots) wrap; placed at an even or odd
     column of a larger weight."""
-    w_dtype, state_format, rounding = REGIMES[regime]
-    rule = RULES[rule_name]()
-    x, dy, w = _inputs(160, 1024, 1152, w_dtype, seed=4)
-    state = _state(rule, w, state_format)
-    kwargs = dict(rounding=rounding, seed=11, weight_slice=fk.WeightSlice(128, col_start, (1280, 1200)))
-    fast = _steps(config, rule, x, dy, w, state, **kwargs)
-    assert launches[0] == 2
-    _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, **kwargs), "portable")
+    where = fk.WeightSlice(128, col_start, (1280, 1200))
+    _assert_portable_bits_in_a_slice(config, regime, rule_name, (160, 1024, 1152), where, (4, 11), launches)
 
 
 @hopper
@@ -172,14 +179,8 @@ def test_split_kernel_with_several_tiles_per_slot(regime, rule_name, col_start, 
     GPU: each of the split kernel's two gradient slots and two staging slots is refilled
     several times, so every mbarrier of the matrix-to-epilogue hand-off goes through both
     parities more than once."""
-    w_dtype, state_format, rounding = REGIMES[regime]
-    rule = RULES[rule_name]()
-    x, dy, w = _inputs(96, 1024, 5120, w_dtype, seed=6)
-    state = _state(rule, w, state_format)
-    kwargs = dict(rounding=rounding, seed=13, weight_slice=fk.WeightSlice(64, col_start, (1152, 5200)))
-    fast = _steps(SPLIT, rule, x, dy, w, state, **kwargs)
-    assert launches[0] == 2
-    _assert_same(fast, _steps(_portable(SPLIT), rule, x, dy, w, state, **kwargs), "portable")
+    where = fk.WeightSlice(64, col_start, (1152, 5200))
+    _assert_portable_bits_in_a_slice(SPLIT, regime, rule_name, (96, 1024, 5120), where, (6, 13), launches)
 
 
 @hopper
