@@ -5,15 +5,12 @@ replays of the kernel alone, each config
 checked fused == oracle (and captured == uncaptured) bitwise in this tree first. A
 diagnostic for one kernel change (e.g. the Philox draw), not the benchmark table (that is
 ``bench_update.py``). A config the other tree's kernel refuses (a new tile, say) is timed
-in this tree alone; ``--new-setting`` sets a module-level switch of this tree's
-``kernels/ops`` before timing.
+in this tree alone.
 
     python3 benchmarks/probe_ab.py --old /path/to/old/kernels --regimes bf16-sr,q8 --tokens 256,1024
-    python3 benchmarks/probe_ab.py --old /path/to/old/kernels --new-setting hopper_update.NAME=True
 """
 
 import argparse
-import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -65,18 +62,7 @@ def main():
     parser.add_argument("--regimes", default="bf16-sr")
     parser.add_argument("--configs", default=None,
                         help="';'-separated configs as the sweeps print them (default: the tuned config)")
-    parser.add_argument("--new-setting", action="append", default=[],
-                        help="MODULE.NAME=VALUE: a module-level setting of this tree's kernels/ops, set before timing "
-                             "(e.g. hopper_update.IN_FLIGHT=True)")
     args = parser.parse_args()
-    for setting in args.new_setting:
-        target, value = setting.split("=", 1)
-        module_name, name = target.rsplit(".", 1)
-        module = importlib.import_module(f"forge_kernels.ops.{module_name}")
-        if not hasattr(module, name):
-            raise SystemExit(f"forge_kernels.ops.{module_name} has no setting {name}")
-        setattr(module, name, ast.literal_eval(value))
-        print(f"new tree: {target} = {value}", flush=True)
     old = load_tree(Path(args.old), "forge_kernels_old")
     configs_file = bu.json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}")
