@@ -23,11 +23,12 @@ class TileConfig:
     GPU and in the interpreter (the reference), or ``"hopper"``, the persistent
     warp-specialized kernel for sm_90 GPUs (``ops/hopper_update.py``), which computes
     the portable kernel's function bit for bit at the same (block_n, block_k, block_t).
-    A hopper config has 64-row tiles of 32, 64 or 128 columns whose epilogue runs on
-    column parts of 32 or 64 (``epilogue_split``), ``num_stages`` 2-4 buffers of its token
-    loop and no register cap; ``num_warps`` picks its structure: 4, two consumer
-    warpgroups in ping-pong, or 8, one matrix warpgroup feeding eight epilogue warps. Its
-    oracle (``oracle=True``) and ``apply_rule`` run the portable kernels with the same tile."""
+    A hopper config has tiles of 32, 64 or 128 columns whose epilogue runs on column parts
+    of 32 or 64 (``epilogue_split``), ``num_stages`` 2-4 buffers of its token loop and no
+    register cap; ``num_warps`` picks its structure: 4, two consumer warpgroups in
+    ping-pong on 64-row tiles, or 8, a matrix warpgroup per 64 rows of a 64- or 128-row
+    tile feeding eight epilogue warps. Its oracle (``oracle=True``) and ``apply_rule`` run
+    the portable kernels with the same tile."""
 
     block_n: int = 64
     block_k: int = 64
@@ -61,12 +62,13 @@ class TileConfig:
             self._check_hopper()
 
     def _check_hopper(self):
-        """The shapes the Hopper kernel is built for: a 64-row wgmma tile per matrix
-        warpgroup, its weight and state staged in shared memory one column part of 32 or
-        64 at a time, and 4 warps (ping-pong consumers) or 8 (split epilogue warps)."""
+        """The shapes the Hopper kernel is built for: 64 rows of wgmma per matrix
+        warpgroup (one per ping-pong consumer; one or two in the split kernel), its weight
+        and state staged in shared memory one column part of 32 or 64 at a time, and 4
+        warps (ping-pong consumers) or 8 (split epilogue warps)."""
         part = self.block_k // self.epilogue_split
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
-            ("block_n", "64", self.block_n == 64),
+            ("block_n", "64, or 128 with num_warps=8", self.block_n == 64 or (self.block_n == 128 and self.num_warps == 8)),
             ("block_k", "32, 64 or 128", self.block_k in (32, 64, 128)),
             ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
             ("num_warps", "4 or 8", self.num_warps in (4, 8)),

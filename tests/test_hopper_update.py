@@ -23,8 +23,13 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            fk.TileConfig(64, 64, 64, 4, 3, epilogue_split=2, kernel="hopper"),
            # The split kernel: eight epilogue warps, one part per tile and four (the tuned tile).
            fk.TileConfig(64, 64, 64, 8, 4, kernel="hopper"),
-           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper")]
+           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper"),
+           # 128-row tiles: two matrix warpgroups reading each x block; a 128 x 128 tile
+           # (the tuned one) has one gradient slot, a 128 x 64 tile two.
+           fk.TileConfig(128, 128, 32, 8, 4, epilogue_split=4, kernel="hopper"),
+           fk.TileConfig(128, 64, 32, 8, 3, epilogue_split=2, kernel="hopper")]
 SPLIT = CONFIGS[5]
+WIDE = CONFIGS[6]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -55,9 +60,9 @@ def _fits(config, rule_name, regime):
     """Whether the kernel's shared memory holds the config's buffers (the rest are refused:
     ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``). Ping-pong: a weight and
     three fp32 slots exceed it beside a 64x64 tile's ring, or beside a wider tile's
-    accumulator and two staging slots. Split: the ring, two gradient slots and two
-    staging slots of a part's weight and state, with 2 KB to spare for barriers and
-    reductions."""
+    accumulator and two staging slots. Split: the ring, the gradient slots (two, or one of
+    a 128 x 128 tile) and two staging slots of a part's weight and state, with 2 KB to
+    spare for barriers and reductions."""
     w_dtype, state_format, _ = REGIMES[regime]
     if config.num_warps == 4:
         return not (rule_name == "rmsprop-centered" and state_format == "fp32" and config.block_k >= 64)
@@ -65,7 +70,9 @@ def _fits(config, rule_name, regime):
     part = config.block_k // config.epilogue_split
     staged = 2 * config.block_n * part * (torch.finfo(w_dtype).bits // 8 + slots * (4 if state_format == "fp32" else 2))
     ring = config.num_stages * config.block_t * (config.block_n + config.block_k) * 2
-    return ring + 2 * config.block_n * config.block_k * 4 + staged <= SHARED_BYTES - 2048
+    gradient = config.block_n * config.block_k * 4
+    gradient_slots = 2 if 2 * gradient <= 64 * 1024 else 1
+    return ring + gradient_slots * gradient + staged <= SHARED_BYTES - 2048
 
 
 CASES = [(config, regime, rule_name) for config in CONFIGS for regime in REGIMES for rule_name in RULES
@@ -131,7 +138,8 @@ def _assert_portable_bits_in_a_slice(config, regime, rule_name, shape, where, se
 
 
 def _name(config):
-    return f"{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}w{config.num_warps}"
+    return (f"{config.block_n}x{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
+            f"w{config.num_warps}")
 
 
 def _portable(config):
@@ -172,15 +180,16 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [SPLIT, WIDE], ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime, rule_name", [("fp32", "adamw"), ("bf16-sr", "adamw")])
 @pytest.mark.parametrize("col_start", [0, 3])
-def test_split_kernel_with_several_tiles_per_slot(regime, rule_name, col_start, launches):
-    """1024 x 5120 is 640 tiles of 64 x 128, about five per program on a 132-multiprocessor
-    GPU: each of the split kernel's two gradient slots and two staging slots is refilled
-    several times, so every mbarrier of the matrix-to-epilogue hand-off goes through both
-    parities more than once."""
-    where = fk.WeightSlice(64, col_start, (1152, 5200))
-    _assert_portable_bits_in_a_slice(SPLIT, regime, rule_name, (96, 1024, 5120), where, (6, 13), launches)
+def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col_start, launches):
+    """2048 x 5120 is 1,280 tiles of 64 x 128 and 640 of 128 x 128, about ten or five per
+    program on a 132-multiprocessor GPU: each of the split kernel's gradient slots (two,
+    or the 128 x 128 tile's one) and two staging slots is refilled several times, so every
+    mbarrier of the matrix-to-epilogue hand-off goes through both parities more than once."""
+    where = fk.WeightSlice(64, col_start, (2176, 5200))
+    _assert_portable_bits_in_a_slice(config, regime, rule_name, (96, 2048, 5120), where, (6, 13), launches)
 
 
 @hopper
@@ -204,7 +213,8 @@ def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT], ids=["64-token", "32-token", "split"])
+@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT, WIDE], ids=["64-token", "32-token", "split",
+                                                                         "split-128-rows"])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, launches):
     """A shard at rows 64.., columns ``col_start``.. of a larger weight, with a gradient
@@ -221,7 +231,7 @@ def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, laun
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE], ids=lambda c: _name(c))
 def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config):
     rule = fk.AdamW(lr=1e-2)
     x, dy, w = _inputs(128, 128, 96, torch.bfloat16, seed=3)
@@ -244,7 +254,7 @@ def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config)
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE], ids=lambda c: _name(c))
 def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     x, dy, w = _inputs(0, 64, 64, torch.float32)
@@ -254,7 +264,7 @@ def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE], ids=lambda c: _name(c))
 def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
     rule = fk.AdamW()
     x, dy, w = _inputs(64, 64, 64, torch.float32)
@@ -298,7 +308,8 @@ def test_num_warps_picks_the_structure():
 
 
 @pytest.mark.parametrize("fields, wrong", [
-    (dict(block_n=128), "block_n=128"), (dict(block_k=256, epilogue_split=4), "block_k=256"),
+    (dict(block_n=128), "block_n=128"), (dict(block_n=128, num_warps=8, epilogue_split=2), "epilogue_split=2"),
+    (dict(block_k=256, epilogue_split=4), "block_k=256"),
     (dict(num_warps=2), "num_warps=2"), (dict(maxnreg=128), "maxnreg=128"),
     (dict(epilogue_split=2), "epilogue_split=2"), (dict(block_k=128), "epilogue_split=1"),
     (dict(block_t=16), "block_t=16"), (dict(num_stages=5), "num_stages=5")])

@@ -1,11 +1,14 @@
 """The split Hopper kernel (``TileConfig(kernel="hopper", num_warps=8)``): one program per
-multiprocessor, in which one matrix warpgroup runs every tile's token loop on wgmma into
-two fp32 gradient slots in shared memory (the gradient still never reaches global
-memory), eight epilogue warps (the default partition) apply the rule to each slot part by
-part, and two TMA warps feed the ring of dy and x blocks and the staging slots of the
-weight and state parts. Measured on an H200 its 64 x 128 tile is 1.09-1.20x faster than
-the ping-pong kernel's tuned tile at 512-2,048 tokens on four shapes, where the ping-pong
-consumers' epilogues leave the tensor cores waiting (results/tuning/h200-split-kernel.log)."""
+multiprocessor, in which a matrix warpgroup per 64 rows of the tile (one or two) runs
+every tile's token loop on wgmma into fp32 gradient slots in shared memory (the gradient
+still never reaches global memory), eight epilogue warps (the default partition) apply
+the rule to each slot part by part, and two TMA warps feed the ring of dy and x blocks and
+the staging slots of the weight and state parts. Measured on an H200 its 64 x 128 tile
+was 1.09-1.20x faster than the ping-pong kernel's tuned tile at 512-2,048 tokens on four
+shapes, where the ping-pong consumers' epilogues leave the tensor cores waiting
+(results/tuning/h200-split-kernel.log); its 128 x 128 tile, whose two warpgroups read
+each x block once for both, is 1.02-1.23x faster again at 1,024-2,048 tokens
+(results/tuning/h200-split-128-rows.log)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -18,6 +21,14 @@ from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_s
 # Registers per thread asked for the matrix warpgroup (its accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
 MATRIX_REGISTERS = gl.constexpr(96)
+
+
+@gluon.constexpr_function
+def _gradient_slots(block_n, block_k):
+    """Two gradient slots where they take at most 64 KB (a 64-row tile), else one: a
+    128 x 128 fp32 slot is 64 KB, and the matrix warpgroups then hold the next tile's
+    accumulator in their registers while the epilogue drains the slot."""
+    return 2 if 2 * block_n * block_k * 4 <= 64 * 1024 else 1
 
 
 @gluon.jit
@@ -63,16 +74,20 @@ def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s
 
 @gluon.jit
 def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K):
-    """The matrix warpgroup: each tile's token loop on wgmma (the portable kernel's
-    ``tl.dot`` over the same blocks in the same order), then its fp32 gradient tile into
-    one of two gradient slots in shared memory for the epilogue warps, and on to the next
-    tile while they work on this one. (Keeping one wgmma in flight while the next block is
+    """The matrix warpgroups: each tile's token loop on wgmma (the portable kernel's
+    ``tl.dot`` over the same blocks in the same order), then its fp32 gradient tile into a
+    gradient slot in shared memory for the epilogue warps, and on to the next tile while
+    they work on this one. A ring stage is released once both warpgroups of a 128-row
+    tile are done with it: Triton puts a barrier over the partition's warps before the
+    arrival, which one thread makes. (Keeping one wgmma in flight while the next block is
     waited for measured no faster: results/tuning/h200-matrix-epilogue-split.log.)"""
     BLOCK_T: gl.constexpr = x_bufs.shape[1]
     BLOCK_N: gl.constexpr = dy_bufs.shape[2]
     BLOCK_K: gl.constexpr = x_bufs.shape[2]
     GSLOTS: gl.constexpr = grad_smem.shape[0]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16])
+    # One warpgroup per 64 rows of the tile: with 128 rows, two, each reading the same x stage.
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BLOCK_K, 16])
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     num_t = gl.cdiv(T, BLOCK_T)
@@ -141,8 +156,8 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
                  NUM_STAGES: gl.constexpr):
-    """Persistent, one program per multiprocessor: the matrix warpgroup computes this
-    program's gradient tiles one after another into two gradient slots in shared memory,
+    """Persistent, one program per multiprocessor: the matrix warpgroups compute this
+    program's gradient tiles one after another into the gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
     feed the one with dy and x blocks and the other with weight and state parts."""
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
@@ -153,10 +168,11 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
     free = _barriers(NUM_STAGES)
     # Four-word units swizzled by row: the wgmma layout's stores of column pairs and the
     # epilogue's loads of four columns both spread over the banks.
-    grad_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_K],
+    GRAD_SLOTS: gl.constexpr = _gradient_slots(BLOCK_N, BLOCK_K)
+    grad_smem = gl.allocate_shared_memory(gl.float32, [GRAD_SLOTS, BLOCK_N, BLOCK_K],
                                           gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
-    grad_ready = _barriers(2)
-    grad_free = _barriers(2)
+    grad_ready = _barriers(GRAD_SLOTS)
+    grad_free = _barriers(GRAD_SLOTS)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape, w_desc.layout)
     s0_smem = _staging_buffer(s0_desc, w_smem, HAS_S0, 2)
     s1_smem = _staging_buffer(s1_desc, w_smem, HAS_S1, 2)
@@ -172,4 +188,4 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
                          N, K, BLOCK_K, HAS_S0, HAS_S1, HAS_S2)),
-    ], [4, 1, 1], [MATRIX_REGISTERS, 24, 24])
+    ], [BLOCK_N // 16, 1, 1], [MATRIX_REGISTERS, 24, 24])
