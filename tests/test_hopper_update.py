@@ -1,11 +1,12 @@
 """The Hopper kernel (``TileConfig(kernel="hopper")``) computes the portable kernel's
 function bit for bit: for every rule and slot layout, every storage regime and rounding,
-in both structures (``num_warps`` 4: ping-pong consumers; 8: a matrix warpgroup feeding
-eight epilogue warps), on shapes with ragged edges and on shapes with many tiles per
-program (every barrier through several phases, the rings wrapping), at an offset in a larger weight, with a gradient
-scale, with device scalars inside a CUDA graph, and through the non-finite paths
-(nothing written, skipped tiles, the same flags). GPU-only (sm_90); what it refuses
-where it cannot run is checked everywhere."""
+in both structures (``num_warps`` 4: ping-pong consumers; 8: a matrix warpgroup per 64
+rows of a 64- or 128-row tile feeding eight epilogue warps), on shapes with ragged edges
+and on shapes with many tiles per program (every barrier through several phases, the
+rings wrapping), at an offset in a larger weight, with a gradient scale, with device
+scalars inside a CUDA graph, and through the non-finite paths (nothing written, skipped
+tiles, the same flags). GPU-only (sm_90); what it refuses where it cannot run is checked
+everywhere."""
 
 import dataclasses
 
@@ -153,7 +154,7 @@ def _portable(config):
 def test_hopper_kernel_gives_the_portable_kernels_bits(config, regime, rule_name, launches):
     w_dtype, state_format, rounding = REGIMES[regime]
     rule = RULES[rule_name]()
-    # Ragged in every direction: 200 rows (3 full tiles of 64 and 8), 72 columns, 100 tokens.
+    # Ragged in every direction: 200 rows (3 full tiles of 64 and 8, or one of 128 and 72), 72 columns, 100 tokens.
     x, dy, w = _inputs(100, 200, 72, w_dtype)
     state = _state(rule, w, state_format)
     fast = _steps(config, rule, x, dy, w, state, rounding=rounding, seed=5)
@@ -173,7 +174,8 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
     one per program on a 132-multiprocessor GPU, so both ping-pong consumers (or both of
     the split kernel's gradient slots) take tiles, the barriers go through several phases
     and the rings (and a wide tile's two staging slots) wrap; placed at an even or odd
-    column of a larger weight."""
+    column of a larger weight. (Of 128 x 128 tiles it is 72, one per program: the
+    several-tiles-per-slot case below gives that tile five.)"""
     where = fk.WeightSlice(128, col_start, (1280, 1200))
     _assert_portable_bits_in_a_slice(config, regime, rule_name, (160, 1024, 1152), where, (4, 11), launches)
 
@@ -195,12 +197,13 @@ def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS[1:4] + [fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=2, kernel="hopper"),
-                                                  fk.TileConfig(64, 64, 128, 8, 4, kernel="hopper")],
+                                                  fk.TileConfig(64, 64, 128, 8, 4, kernel="hopper"), WIDE],
                          ids=lambda c: _name(c))
 def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
     """A weight and three fp32 slots beside a 64 x 64 tile's ring, or beside a wider
-    tile's accumulator (ping-pong), or, staged two parts each, beside the ring and the two
-    gradient slots (split), where they exceed the shared memory: refused, nothing written."""
+    tile's accumulator (ping-pong), or, staged two parts each, beside the ring and the
+    gradient slots (split: two, or one of 128 x 128), where they exceed the shared memory:
+    refused, nothing written."""
     assert not _fits(config, "rmsprop-centered", "fp32")
     rule = RULES["rmsprop-centered"]()
     x, dy, w = _inputs(100, 200, 72, torch.float32)
@@ -278,10 +281,11 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2], SPLIT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2], SPLIT, WIDE], ids=lambda c: _name(c))
 def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
     """A gradient that overflows in the tile (or, of a 128-column tile, the column part)
-    at rows 64-127, columns 32-63 only."""
+    at rows 64-127, columns 32-63 only: of a 128-row tile, the rows of its second matrix
+    warpgroup, so the skipped part spans rows 0-127."""
     rule = fk.SGD(lr=1.0)
     x, dy, w = _inputs(64, 192, 96, torch.float32)
     x[:, 32:64] = 2.0**60
@@ -292,7 +296,7 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
         with pytest.raises(fk.NonFiniteUpdateError) as raised:
             fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
         found.append((raised.value.tiles, w_k))
-    assert found[0][0] == found[1][0] == [(64, 128, 32, 64)]
+    assert found[0][0] == found[1][0] == [(128 - config.block_n, 128, 32, 64)]
     assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
 
 

@@ -7,7 +7,7 @@ the staging slots of the weight and state parts. Measured on an H200 its 64 x 12
 was 1.09-1.20x faster than the ping-pong kernel's tuned tile at 512-2,048 tokens on four
 shapes, where the ping-pong consumers' epilogues leave the tensor cores waiting
 (results/tuning/h200-split-kernel.log); its 128 x 128 tile, whose two warpgroups read
-each x block once for both, is 1.02-1.23x faster again at 1,024-2,048 tokens
+each x block once for both, is 1.01-1.23x faster again at 1,024-2,048 tokens
 (results/tuning/h200-split-128-rows.log)."""
 
 from triton.experimental import gluon
@@ -18,7 +18,7 @@ from .fused_weight_update import _device_scalars
 from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
                             _partition_barrier, _staging_buffer, _token_loop)
 
-# Registers per thread asked for the matrix warpgroup (its accumulator and addresses); the
+# Registers per thread asked for the matrix warpgroups (accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
 MATRIX_REGISTERS = gl.constexpr(96)
 
@@ -34,7 +34,7 @@ def _gradient_slots(block_n, block_k):
 @gluon.jit
 def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K):
     """The token loop's TMA warp: each tile's dy and x blocks into the ring, a stage once
-    the matrix warpgroup has read what it held."""
+    the matrix warpgroups have read what it held."""
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -114,7 +114,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
               ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr):
     """The epilogue warps (the default partition): each tile's gradient from its slot, part
     by part, with the part's weight and state from its staging slot, through the rule,
-    the rounding and the verdict, while the matrix warpgroup computes the next tiles."""
+    the rounding and the verdict, while the matrix warpgroups compute the next tiles."""
     BLOCK_N: gl.constexpr = grad_smem.shape[1]
     BLOCK_K: gl.constexpr = grad_smem.shape[2]
     SUB: gl.constexpr = w_smem.shape[2]

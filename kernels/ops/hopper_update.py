@@ -5,8 +5,9 @@ structures, picked by ``num_warps``:
 - 4: the ping-pong kernel (``hopper_pingpong``): two consumer warpgroups take alternate
   tiles, each running its tile's token loop and then its epilogue, so that one's epilogue
   overlaps the other's token loop;
-- 8: the split kernel (``hopper_split``): one matrix warpgroup runs every tile's token
-  loop into two gradient slots in shared memory, and eight epilogue warps apply the rule.
+- 8: the split kernel (``hopper_split``): a matrix warpgroup per 64 rows of the tile (one
+  or two) runs every tile's token loop into gradient slots in shared memory (two, or one
+  for a 128 x 128 tile), and eight epilogue warps apply the rule.
 
 The portable kernel (``fused_weight_update``) runs each tile's token loop and then its
 epilogue in the same warps, so the tensor cores idle during the epilogue and HBM during
@@ -105,8 +106,8 @@ def launch(epilogue, x, dy, weight):
             num_warps=config.num_warps, enable_fp_fusion=False)
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
         raise ValueError(f"{config} stages its token blocks, weight and state parts and its gradient tiles (two "
-                         f"slots in the split kernel; one per consumer for a tile of several parts in the "
-                         f"ping-pong kernel) in shared memory, and with "
+                         f"slots in the split kernel, one of a 128 x 128 tile; one per consumer for a tile of "
+                         f"several parts in the ping-pong kernel) in shared memory, and with "
                          f"{len([t for t in epilogue.slot_tensors if t is not weight])} state slots of "
                          f"{epilogue.state_format} beside a {weight.dtype} weight they do not fit ({error}); use "
                          "a narrower tile or part, shorter token blocks or fewer stages") from error
