@@ -68,7 +68,8 @@ class TileConfig:
         warps (ping-pong consumers) or 8 (split epilogue warps)."""
         part = self.block_k // self.epilogue_split
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
-            ("block_n", "64, or 128 with num_warps=8", self.block_n == 64 or (self.block_n == 128 and self.num_warps == 8)),
+            ("block_n", "64, or 128 with num_warps=8",
+             self.block_n == 64 or (self.block_n == 128 and self.num_warps == 8)),
             ("block_k", "32, 64 or 128", self.block_k in (32, 64, 128)),
             ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
             ("num_warps", "4 or 8", self.num_warps in (4, 8)),

@@ -1,8 +1,9 @@
 """What both Hopper kernel structures (``hopper_pingpong``, ``hopper_split``) share: a
 tile's token loop on wgmma, the TMA copy of one block of it into the ring, and the
 epilogue's arithmetic on one column part of a tile (the portable kernel's rule, rounding,
-verdict and Philox words, bit for bit), read from staging slots a TMA warp fills; and the
-few Gluon names that changed between triton 3.6 and 3.9."""
+verdict and Philox words, bit for bit), read from staging slots a TMA warp fills; the
+ring, staging slots and gradient layout both allocate in shared memory; and the few Gluon
+names that changed between triton 3.6 and 3.9."""
 
 import triton.language as tl
 from triton.experimental import gluon
@@ -188,6 +189,37 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
         gl.store(s2_ptr + idx, s2, mask=keep)
     gl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
     gl.store(flag_ptr + flag, num_bad)
+
+
+# The fp32 gradient tile waiting in shared memory for the epilogue: four-word units
+# swizzled by row, so that the wgmma layout's stores of column pairs and the epilogue's
+# loads of four columns both spread over the banks.
+_GRADIENT_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+
+
+@gluon.jit
+def _ring(dy_desc, x_desc, NUM_STAGES: gl.constexpr):
+    """The token loop's ring: ``NUM_STAGES`` dy and x blocks, and their barriers (filled:
+    ``ready``; read: ``free``)."""
+    dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = _barriers(NUM_STAGES)
+    free = _barriers(NUM_STAGES)
+    return dy_bufs, x_bufs, ready, free
+
+
+@gluon.jit
+def _staging_slots(w_desc, s0_desc, s1_desc, s2_desc, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+                   HAS_S2: gl.constexpr, SLOTS: gl.constexpr):
+    """``SLOTS`` staging slots of a column part's weight and state, and their barriers
+    (filled: ``epi_ready``; read: ``epi_free``)."""
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [SLOTS] + w_desc.block_type.shape, w_desc.layout)
+    s0_smem = _staging_buffer(s0_desc, w_smem, HAS_S0, SLOTS)
+    s1_smem = _staging_buffer(s1_desc, w_smem, HAS_S1, SLOTS)
+    s2_smem = _staging_buffer(s2_desc, w_smem, HAS_S2, SLOTS)
+    epi_ready = _barriers(SLOTS)
+    epi_free = _barriers(SLOTS)
+    return w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free
 
 
 @gluon.jit

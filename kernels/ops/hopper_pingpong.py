@@ -10,8 +10,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .fused_weight_update import _device_scalars
-from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
-                            _partition_barrier, _staging_buffer, _token_loop)
+from .hopper_common import (_GRADIENT_LAYOUT, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
+                            _partition_barrier, _ring, _staging_slots, _token_loop)
 
 # Registers per thread asked for the second consumer warpgroup (the first takes what is
 # left, the TMA warps 24 each). ptxas still allocates the kernel within 168 (65,536 over
@@ -144,23 +144,13 @@ def _consumer_buffers(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, HAS_S0
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BLOCK_K // w_desc.block_type.shape[1]
     SLOTS: gl.constexpr = 1 if SPLIT == 1 else 2
-    dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = _barriers(NUM_STAGES)
-    free = _barriers(NUM_STAGES)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [SLOTS] + w_desc.block_type.shape, w_desc.layout)
-    s0_smem = _staging_buffer(s0_desc, w_smem, HAS_S0, SLOTS)
-    s1_smem = _staging_buffer(s1_desc, w_smem, HAS_S1, SLOTS)
-    s2_smem = _staging_buffer(s2_desc, w_smem, HAS_S2, SLOTS)
-    epi_ready = _barriers(SLOTS)
-    epi_free = _barriers(SLOTS)
+    dy_bufs, x_bufs, ready, free = _ring(dy_desc, x_desc, NUM_STAGES)
+    w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free = _staging_slots(w_desc, s0_desc, s1_desc, s2_desc, HAS_S0,
+                                                                           HAS_S1, HAS_S2, SLOTS)
     if SPLIT == 1:
         acc_smem = w_smem  # unused: the accumulator is converted in registers
     else:
-        # Four-word units swizzled by row: the wgmma layout's stores of column pairs and the
-        # epilogue's loads of four columns both spread over the banks.
-        acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_K],
-                                             gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+        acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_K], _GRADIENT_LAYOUT)
     return dy_bufs, x_bufs, ready, free, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, acc_smem
 
 

@@ -15,8 +15,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .fused_weight_update import _device_scalars
-from .hopper_common import (_barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
-                            _partition_barrier, _staging_buffer, _token_loop)
+from .hopper_common import (_GRADIENT_LAYOUT, _barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
+                            _partition_barrier, _ring, _staging_slots, _token_loop)
 
 # Registers per thread asked for the matrix warpgroups (accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
@@ -162,23 +162,13 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
     feed the one with dy and x blocks and the other with weight and state parts."""
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = _barriers(NUM_STAGES)
-    free = _barriers(NUM_STAGES)
-    # Four-word units swizzled by row: the wgmma layout's stores of column pairs and the
-    # epilogue's loads of four columns both spread over the banks.
+    dy_bufs, x_bufs, ready, free = _ring(dy_desc, x_desc, NUM_STAGES)
     GRAD_SLOTS: gl.constexpr = _gradient_slots(BLOCK_N, BLOCK_K)
-    grad_smem = gl.allocate_shared_memory(gl.float32, [GRAD_SLOTS, BLOCK_N, BLOCK_K],
-                                          gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    grad_smem = gl.allocate_shared_memory(gl.float32, [GRAD_SLOTS, BLOCK_N, BLOCK_K], _GRADIENT_LAYOUT)
     grad_ready = _barriers(GRAD_SLOTS)
     grad_free = _barriers(GRAD_SLOTS)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape, w_desc.layout)
-    s0_smem = _staging_buffer(s0_desc, w_smem, HAS_S0, 2)
-    s1_smem = _staging_buffer(s1_desc, w_smem, HAS_S1, 2)
-    s2_smem = _staging_buffer(s2_desc, w_smem, HAS_S2, 2)
-    epi_ready = _barriers(2)
-    epi_free = _barriers(2)
+    w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free = _staging_slots(w_desc, s0_desc, s1_desc, s2_desc, HAS_S0,
+                                                                           HAS_S1, HAS_S2, 2)
     gl.warp_specialize([
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
                      w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
