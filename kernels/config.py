@@ -24,8 +24,8 @@ class TileConfig:
     warp-specialized kernel for sm_90 GPUs (``ops/hopper_update.py``), which computes
     the portable kernel's function bit for bit at the same (block_n, block_k, block_t).
     A hopper config has tiles of 32, 64 or 128 columns whose epilogue runs on column parts
-    of 32 or 64 (``epilogue_split``), ``num_stages`` 2-4 buffers of its token loop and no
-    register cap; ``num_warps`` picks its structure: 4, two consumer warpgroups in
+    of 32 or 64 (16 on 128-row tiles; ``epilogue_split``), ``num_stages`` 2-8 buffers of
+    its token loop and no register cap; ``num_warps`` picks its structure: 4, two consumer warpgroups in
     ping-pong on 64-row tiles, or 8, a matrix warpgroup per 64 rows of a 64- or 128-row
     tile feeding eight epilogue warps. Its oracle (``oracle=True``) and ``apply_rule`` run
     the portable kernels with the same tile."""
@@ -52,9 +52,9 @@ class TileConfig:
         if self.maxnreg is not None and (type(self.maxnreg) is not int or self.maxnreg not in range(32, 256, 8)):
             raise ValueError(f"TileConfig.maxnreg={self.maxnreg!r}: must be None (the compiler's choice) or a "
                              "multiple of 8 in 32..248 (registers per thread, ptxas -maxrregcount)")
-        if type(self.epilogue_split) is not int or self.epilogue_split not in (1, 2, 4) or \
+        if type(self.epilogue_split) is not int or self.epilogue_split not in (1, 2, 4, 8) or \
                 self.block_k // self.epilogue_split < _TILE_SIZES[0]:
-            raise ValueError(f"TileConfig.epilogue_split={self.epilogue_split!r}: must be 1, 2 or 4, leaving "
+            raise ValueError(f"TileConfig.epilogue_split={self.epilogue_split!r}: must be 1, 2, 4 or 8, leaving "
                              f"column slices of at least {_TILE_SIZES[0]} (block_k={self.block_k})")
         if self.kernel not in KERNELS:
             raise ValueError(f"TileConfig.kernel={self.kernel!r}: must be one of {KERNELS}")
@@ -64,7 +64,7 @@ class TileConfig:
     def _check_hopper(self):
         """The shapes the Hopper kernel is built for: 64 rows of wgmma per matrix
         warpgroup (one per ping-pong consumer; one or two in the split kernel), its weight
-        and state staged in shared memory one column part of 32 or 64 at a time, and 4
+        and state staged in shared memory one column part of 16-64 at a time, and 4
         warps (ping-pong consumers) or 8 (split epilogue warps)."""
         part = self.block_k // self.epilogue_split
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
@@ -73,10 +73,10 @@ class TileConfig:
             ("block_k", "32, 64 or 128", self.block_k in (32, 64, 128)),
             ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
             ("num_warps", "4 or 8", self.num_warps in (4, 8)),
-            ("num_stages", "2, 3 or 4", self.num_stages in (2, 3, 4)),
+            ("num_stages", "2-8", 2 <= self.num_stages <= 8),
             ("maxnreg", "None", self.maxnreg is None),
-            ("epilogue_split", f"such that block_k / epilogue_split is 32 or 64, not {part}",
-             part in (32, 64))) if not ok]
+            ("epilogue_split", f"such that block_k / epilogue_split is 32 or 64 (or 16 with block_n=128), "
+             f"not {part}", part in (32, 64) or (part == 16 and self.block_n == 128))) if not ok]
         if wrong:
             raise ValueError("TileConfig(kernel='hopper'): " + "; ".join(wrong))
 

@@ -28,7 +28,9 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            # 128-row tiles: two matrix warpgroups reading each x block; a 128 x 128 tile
            # (the tuned one) has one gradient slot, a 128 x 64 tile two.
            fk.TileConfig(128, 128, 32, 8, 4, epilogue_split=4, kernel="hopper"),
-           fk.TileConfig(128, 64, 32, 8, 3, epilogue_split=2, kernel="hopper")]
+           fk.TileConfig(128, 64, 32, 8, 3, epilogue_split=2, kernel="hopper"),
+           # 16-column parts: a seven-stage ring beside the 128 x 128 tile's slot.
+           fk.TileConfig(128, 128, 32, 8, 7, epilogue_split=8, kernel="hopper")]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
@@ -312,11 +314,11 @@ def test_num_warps_picks_the_structure():
 
 
 @pytest.mark.parametrize("fields, wrong", [
-    (dict(block_n=128), "block_n=128"), (dict(block_n=128, num_warps=8, epilogue_split=2), "epilogue_split=2"),
+    (dict(block_n=128), "block_n=128"), (dict(block_n=128, num_warps=8, epilogue_split=4), "epilogue_split=4"),
     (dict(block_k=256, epilogue_split=4), "block_k=256"),
     (dict(num_warps=2), "num_warps=2"), (dict(maxnreg=128), "maxnreg=128"),
     (dict(epilogue_split=2), "epilogue_split=2"), (dict(block_k=128), "epilogue_split=1"),
-    (dict(block_t=16), "block_t=16"), (dict(num_stages=5), "num_stages=5")])
+    (dict(block_t=16), "block_t=16"), (dict(num_stages=1), "num_stages=1")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
     with pytest.raises(ValueError, match=wrong):

@@ -176,7 +176,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
                    NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr):
     """The rule epilogue of one (BLOCK_N, BLOCK_K) gradient tile, run on SPLIT column
-    slices of it in turn (1, 2 or 4; sub-tile j is flagged as tile ``tile_id * SPLIT + j``).
+    slices of it in turn (1, 2, 4 or 8; sub-tile j is flagged as tile ``tile_id * SPLIT + j``).
 
     The epilogue is element-wise, so slicing changes no bit; it bounds what is live at
     once. A 128x128 tile, which halves the GEMM's operand traffic against 64x128, needs
@@ -189,27 +189,22 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
                        seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                        ALIGNED_PAIRS, BLOCK_N, BLOCK_K)
     else:
+        # Each half of the tile is epilogued as a tile of half the split, in turn.
         HALF: tl.constexpr = BLOCK_K // 2
-        QUARTER: tl.constexpr = BLOCK_K // 4
-        # (n, s, c) of the reshape is column s * HALF + c: split gives the left and right halves.
-        left, right = tl.split(tl.permute(tl.reshape(g, (BLOCK_N, 2, HALF)), (0, 2, 1)))
+        left, right = _column_halves(g, BLOCK_N, BLOCK_K)
         for half in tl.static_range(2):
-            g_half = left if half == 0 else right
-            if SPLIT == 2:
-                _rule_epilogue(g_half, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr,
-                               tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0, col0, global_k,
-                               grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1,
-                               HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N, HALF)
-            else:
-                first, second = tl.split(tl.permute(tl.reshape(g_half, (BLOCK_N, 2, QUARTER)), (0, 2, 1)))
-                for part in tl.static_range(2):
-                    _rule_epilogue(first if part == 0 else second, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr,
-                                   e2_ptr, flag_ptr, status_ptr, tile_id * 4 + half * 2 + part, offs_n,
-                                   mask_n,
-                                   k0 + half * HALF + part * QUARTER, K, KB, row0, col0, global_k, grad_scale,
-                                   h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2,
-                                   W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N,
-                                   QUARTER)
+            _tile_epilogue(left if half == 0 else right, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr,
+                           flag_ptr, status_ptr, tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0,
+                           col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0,
+                           HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N,
+                           HALF, SPLIT // 2)
+
+
+@triton.jit
+def _column_halves(g, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """The left and right column halves of a (BLOCK_N, WIDTH) tile: in the reshape,
+    (n, s, c) is column s * WIDTH / 2 + c."""
+    return tl.split(tl.permute(tl.reshape(g, (BLOCK_N, 2, WIDTH // 2)), (0, 2, 1)))
 
 
 @triton.jit
