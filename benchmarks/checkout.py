@@ -24,7 +24,9 @@ def forge_kernels():
 
 
 def parse_config(text: str) -> tuple:
-    """A tile config's fields from ``64,128,64,8,3,128,2`` or ``64,32,128,4,2,None,1,hopper``
-    (parentheses, quotes and spaces, as the sweeps print configs, are allowed)."""
+    """A tile config's fields from ``64,128,64,8,3,128,2``, ``64,32,128,4,2,None,1,hopper`` or
+    ``128,128,64,8,3,None,8,hopper,rows`` (parentheses, quotes and spaces, as the sweeps
+    print configs, are allowed)."""
     values = [v.strip().strip("'\"") for v in text.strip().strip("()").split(",")]
-    return tuple(None if v == "None" else v if v in ("hopper", "portable") else int(v) for v in values)
+    words = ("hopper", "portable", "rows", "columns")
+    return tuple(None if v == "None" else v if v in words else int(v) for v in values)

@@ -45,10 +45,11 @@ def kernel_step(package, layer, config_tuple, r_cls_name="AdamW"):
 
 
 def runs(package, layer, config_tuple) -> bool:
-    """Whether the other tree's kernel takes this config (a new config may not compile there)."""
+    """Whether the other tree's kernel takes this config (a new config may not compile
+    there, or name a field its TileConfig lacks)."""
     try:
         kernel_step(package, layer, config_tuple)()
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         print(f"old tree refuses {config_tuple}: {str(error)[:160]}", flush=True)
         return False
     return True

@@ -53,6 +53,7 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool):
     block_n, block_k, block_t, warps, stages = config[:5]
     maxnreg = config[5] if len(config) > 5 else None
     split = config[6] if len(config) > 6 else 1
+    rows = len(config) > 8 and config[8] == "rows"
     rule = fk.AdamW()
     signature = dict(x_ptr="*bf16", dy_ptr="*bf16", w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}",
                      s2_ptr=f"*{weight}", e0_ptr=f"*{exponents}", e1_ptr=f"*{exponents}", e2_ptr=f"*{weight}",
@@ -64,7 +65,7 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool):
     constants = dict(stride_xk=1, stride_dyn=1, RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True,
                      HAS_S2=False, W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8",
                      STOCHASTIC=stochastic, NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False,
-                     BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, INTERPRETED=False)
+                     BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False)
     for name in KERNEL.arg_names:
         if name in constants:
             signature[name] = "constexpr"

@@ -11,24 +11,30 @@ from typing import Optional
 
 _TILE_SIZES = (16, 32, 64, 128, 256)
 KERNELS = ("portable", "hopper")
+EPILOGUE_AXES = ("columns", "rows")
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """One (BLOCK_N x BLOCK_K) tile of dW per program, tokens consumed BLOCK_T at a time;
-    the rule's epilogue runs on ``epilogue_split`` column slices of the tile in turn (the
-    unit in which a non-finite result is skipped and reported).
+    the rule's epilogue runs on ``epilogue_split`` slices of the tile in turn (the unit in
+    which a non-finite result is skipped and reported), column slices or, with
+    ``epilogue_axis="rows"``, row slices (``part_shape``). Slicing changes no bit of a
+    finite step; it sets what one skip covers.
 
     ``kernel`` picks the fused kernel: ``"portable"``, the Triton kernel that runs on any
     GPU and in the interpreter (the reference), or ``"hopper"``, the persistent
     warp-specialized kernel for sm_90 GPUs (``ops/hopper_update.py``), which computes
     the portable kernel's function bit for bit at the same (block_n, block_k, block_t).
-    A hopper config has tiles of 32, 64 or 128 columns whose epilogue runs on column parts
-    of 32 or 64 (16 on 128-row tiles; ``epilogue_split``), ``num_stages`` 2-8 buffers of
-    its token loop and no register cap; ``num_warps`` picks its structure: 4, two consumer warpgroups in
-    ping-pong on 64-row tiles, or 8, a matrix warpgroup per 64 rows of a 64- or 128-row
-    tile feeding eight epilogue warps. Its oracle (``oracle=True``) and ``apply_rule`` run
-    the portable kernels with the same tile."""
+    A hopper config has tiles of 32, 64 or 128 columns, ``num_stages`` 2-8 buffers of its
+    token loop and no register cap; ``num_warps`` picks its structure: 4, two consumer
+    warpgroups in ping-pong on 64-row tiles, whose epilogue runs on column parts of 32 or
+    64, or 8, a matrix warpgroup per 64 rows of a 64- or 128-row tile feeding eight
+    epilogue warps, on column parts of 32 or 64 (16 on 128-row tiles) or on row parts of
+    at least 16 rows and 1,024 elements (whole rows of the tile, which its TMA copies and
+    stores read and write in runs of the tile's width: measured faster on an H200). Its
+    oracle (``oracle=True``) and ``apply_rule`` run the portable kernels with the same
+    tile and slices."""
 
     block_n: int = 64
     block_k: int = 64
@@ -38,6 +44,7 @@ class TileConfig:
     maxnreg: Optional[int] = None
     epilogue_split: int = 1
     kernel: str = "portable"
+    epilogue_axis: str = "columns"
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t"):
@@ -52,21 +59,42 @@ class TileConfig:
         if self.maxnreg is not None and (type(self.maxnreg) is not int or self.maxnreg not in range(32, 256, 8)):
             raise ValueError(f"TileConfig.maxnreg={self.maxnreg!r}: must be None (the compiler's choice) or a "
                              "multiple of 8 in 32..248 (registers per thread, ptxas -maxrregcount)")
+        if self.epilogue_axis not in EPILOGUE_AXES:
+            raise ValueError(f"TileConfig.epilogue_axis={self.epilogue_axis!r}: must be one of {EPILOGUE_AXES}")
+        sliced = self.block_n if self.epilogue_axis == "rows" else self.block_k
         if type(self.epilogue_split) is not int or self.epilogue_split not in (1, 2, 4, 8) or \
-                self.block_k // self.epilogue_split < _TILE_SIZES[0]:
+                sliced // self.epilogue_split < _TILE_SIZES[0]:
             raise ValueError(f"TileConfig.epilogue_split={self.epilogue_split!r}: must be 1, 2, 4 or 8, leaving "
-                             f"column slices of at least {_TILE_SIZES[0]} (block_k={self.block_k})")
+                             f"{self.epilogue_axis[:-1]} slices of at least {_TILE_SIZES[0]} "
+                             f"({'block_n' if self.epilogue_axis == 'rows' else 'block_k'}={sliced})")
         if self.kernel not in KERNELS:
             raise ValueError(f"TileConfig.kernel={self.kernel!r}: must be one of {KERNELS}")
         if self.kernel == "hopper":
             self._check_hopper()
 
+    @property
+    def part_shape(self) -> tuple:
+        """(rows, columns) of one epilogue slice of a tile."""
+        if self.epilogue_axis == "rows":
+            return self.block_n // self.epilogue_split, self.block_k
+        return self.block_n, self.block_k // self.epilogue_split
+
     def _check_hopper(self):
         """The shapes the Hopper kernel is built for: 64 rows of wgmma per matrix
         warpgroup (one per ping-pong consumer; one or two in the split kernel), its weight
-        and state staged in shared memory one column part of 16-64 at a time, and 4
-        warps (ping-pong consumers) or 8 (split epilogue warps)."""
-        part = self.block_k // self.epilogue_split
+        and state staged in shared memory one part at a time (column parts of 16-64; row
+        parts in the split kernel, of at least four elements per epilogue thread, so that
+        its layout covers the part without repeating), and 4 warps (ping-pong consumers)
+        or 8 (split epilogue warps)."""
+        part_rows, part = self.part_shape
+        if self.epilogue_axis == "rows":
+            parts_ok = self.num_warps == 8 and part_rows * part >= 4 * 32 * self.num_warps
+            parts_rule = (f"such that a row part (block_n / epilogue_split x block_k) has at least 1,024 elements, "
+                          f"with num_warps=8, not {part_rows} x {part}")
+        else:
+            parts_ok = part in (32, 64) or (part == 16 and self.block_n == 128)
+            parts_rule = (f"such that block_k / epilogue_split is 32 or 64 (or 16 with block_n=128), "
+                          f"not {part}")
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
             ("block_n", "64, or 128 with num_warps=8",
              self.block_n == 64 or (self.block_n == 128 and self.num_warps == 8)),
@@ -75,8 +103,7 @@ class TileConfig:
             ("num_warps", "4 or 8", self.num_warps in (4, 8)),
             ("num_stages", "2-8", 2 <= self.num_stages <= 8),
             ("maxnreg", "None", self.maxnreg is None),
-            ("epilogue_split", f"such that block_k / epilogue_split is 32 or 64 (or 16 with block_n=128), "
-             f"not {part}", part in (32, 64) or (part == 16 and self.block_n == 128))) if not ok]
+            ("epilogue_split", parts_rule, parts_ok)) if not ok]
         if wrong:
             raise ValueError("TileConfig(kernel='hopper'): " + "; ".join(wrong))
 

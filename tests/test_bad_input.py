@@ -205,7 +205,10 @@ def test_non_finite_inputs_write_nothing(good, where, value):
 @pytest.mark.parametrize("config, tiles, columns", [
     (fk.TileConfig(block_n=16, block_k=16, block_t=16), 9, (16, 32)),
     # 64-column tiles whose epilogue runs on 16-column slices: the slice is what is skipped.
-    (fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4), 12, (16, 32))], ids=["whole", "split"])
+    (fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4), 12, (16, 32)),
+    # 64-row tiles in 16-row slices: rows 0:16 of the tile (not its 40 rows) are skipped.
+    (fk.TileConfig(block_n=64, block_k=16, block_t=16, epilogue_split=4, epilogue_axis="rows"), 12, (16, 32))],
+    ids=["whole", "split", "row-split"])
 def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle, config, tiles, columns):
     """A finite x and dy whose product overflows fp32 in one tile: that tile keeps its
     old weight and state, the others step, and the call says which tile it was."""

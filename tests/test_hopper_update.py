@@ -30,9 +30,14 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            fk.TileConfig(128, 128, 32, 8, 4, epilogue_split=4, kernel="hopper"),
            fk.TileConfig(128, 64, 32, 8, 3, epilogue_split=2, kernel="hopper"),
            # 16-column parts: a seven-stage ring beside the 128 x 128 tile's slot.
-           fk.TileConfig(128, 128, 32, 8, 7, epilogue_split=8, kernel="hopper")]
+           fk.TileConfig(128, 128, 32, 8, 7, epilogue_split=8, kernel="hopper"),
+           # Row parts (whole rows of the tile): eight of the 128 x 128 tile (the tuned one),
+           # four of a 64 x 128 tile.
+           fk.TileConfig(128, 128, 64, 8, 3, epilogue_split=8, kernel="hopper", epilogue_axis="rows"),
+           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper", epilogue_axis="rows")]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
+ROWS = CONFIGS[9]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -70,8 +75,8 @@ def _fits(config, rule_name, regime):
     if config.num_warps == 4:
         return not (rule_name == "rmsprop-centered" and state_format == "fp32" and config.block_k >= 64)
     slots = sum(name is not None for name in RULES[rule_name]().slot_layout)
-    part = config.block_k // config.epilogue_split
-    staged = 2 * config.block_n * part * (torch.finfo(w_dtype).bits // 8 + slots * (4 if state_format == "fp32" else 2))
+    part_rows, part_cols = config.part_shape
+    staged = 2 * part_rows * part_cols * (torch.finfo(w_dtype).bits // 8 + slots * (4 if state_format == "fp32" else 2))
     ring = config.num_stages * config.block_t * (config.block_n + config.block_k) * 2
     gradient = config.block_n * config.block_k * 4
     gradient_slots = 2 if 2 * gradient <= 64 * 1024 else 1
@@ -142,7 +147,7 @@ def _assert_portable_bits_in_a_slice(config, regime, rule_name, shape, where, se
 
 def _name(config):
     return (f"{config.block_n}x{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
-            f"w{config.num_warps}")
+            f"{'r' if config.epilogue_axis == 'rows' else ''}w{config.num_warps}")
 
 
 def _portable(config):
@@ -184,7 +189,7 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT, WIDE], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime, rule_name", [("fp32", "adamw"), ("bf16-sr", "adamw")])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col_start, launches):
@@ -218,8 +223,8 @@ def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT, WIDE], ids=["64-token", "32-token", "split",
-                                                                         "split-128-rows"])
+@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT, WIDE, ROWS],
+                         ids=["64-token", "32-token", "split", "split-128-rows", "split-row-parts"])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, launches):
     """A shard at rows 64.., columns ``col_start``.. of a larger weight, with a gradient
@@ -236,7 +241,7 @@ def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, laun
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
 def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config):
     rule = fk.AdamW(lr=1e-2)
     x, dy, w = _inputs(128, 128, 96, torch.bfloat16, seed=3)
@@ -259,7 +264,7 @@ def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config)
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
 def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     x, dy, w = _inputs(0, 64, 64, torch.float32)
@@ -269,7 +274,7 @@ def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
 def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
     rule = fk.AdamW()
     x, dy, w = _inputs(64, 64, 64, torch.float32)
@@ -283,11 +288,15 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2], SPLIT, WIDE], ids=lambda c: _name(c))
-def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
+@pytest.mark.parametrize("config, skipped", [
+    (CONFIGS[0], [(64, 128, 32, 64)]), (CONFIGS[2], [(64, 128, 32, 64)]), (SPLIT, [(64, 128, 32, 64)]),
+    (WIDE, [(0, 128, 32, 64)]), (ROWS, [(row, row + 16, 0, 96) for row in range(64, 128, 16)])],
+    ids=lambda c: _name(c) if isinstance(c, fk.TileConfig) else "")
+def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config, skipped):
     """A gradient that overflows in the tile (or, of a 128-column tile, the column part)
     at rows 64-127, columns 32-63 only: of a 128-row tile, the rows of its second matrix
-    warpgroup, so the skipped part spans rows 0-127."""
+    warpgroup, so the skipped column part spans rows 0-127; row parts of 16 skip the four
+    that hold rows 64-127, across the tile's width (the weight's 96 columns)."""
     rule = fk.SGD(lr=1.0)
     x, dy, w = _inputs(64, 192, 96, torch.float32)
     x[:, 32:64] = 2.0**60
@@ -298,7 +307,7 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config):
         with pytest.raises(fk.NonFiniteUpdateError) as raised:
             fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
         found.append((raised.value.tiles, w_k))
-    assert found[0][0] == found[1][0] == [(128 - config.block_n, 128, 32, 64)]
+    assert found[0][0] == found[1][0] == skipped
     assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
 
 
@@ -318,7 +327,10 @@ def test_num_warps_picks_the_structure():
     (dict(block_k=256, epilogue_split=4), "block_k=256"),
     (dict(num_warps=2), "num_warps=2"), (dict(maxnreg=128), "maxnreg=128"),
     (dict(epilogue_split=2), "epilogue_split=2"), (dict(block_k=128), "epilogue_split=1"),
-    (dict(block_t=16), "block_t=16"), (dict(num_stages=1), "num_stages=1")])
+    (dict(block_t=16), "block_t=16"), (dict(num_stages=1), "num_stages=1"),
+    (dict(epilogue_split=2, epilogue_axis="rows"), "epilogue_split=2.*with num_warps=8"),
+    (dict(num_warps=8, epilogue_split=4, epilogue_axis="rows"), "epilogue_split=4.*not 16 x 32"),
+    (dict(epilogue_axis="diagonal"), "epilogue_axis='diagonal'")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
     with pytest.raises(ValueError, match=wrong):

@@ -23,15 +23,16 @@ def test_sass_count_compiles_the_fp32_kernel_for_sm90_offline():
 
 def test_sass_count_compiles_the_hopper_kernel_for_sm90_offline():
     """The Gluon kernels (``kernel="hopper"``: ping-pong with 4 warps, split with 8, on 64
-    rows and on 128 over two matrix warpgroups) build with this Triton, both storage
-    regimes they take: a renamed or removed Gluon operation fails here, not on a user's GPU."""
+    rows and on 128 over two matrix warpgroups, in column and in row parts) build with
+    this Triton, both storage regimes they take: a renamed or removed Gluon operation
+    fails here, not on a user's GPU."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_count.py"), "--regimes", "fp32,bf16-sr",
                            "--configs", "64,32,128,4,2,None,1,hopper;64,128,64,8,3,None,4,hopper;"
-                           "128,128,32,8,4,None,4,hopper"],
+                           "128,128,32,8,4,None,4,hopper;128,128,64,8,3,None,8,hopper,rows"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [row for row in done.stdout.splitlines() if row.startswith(("fp32", "bf16-sr"))]
-    assert len(lines) == 6, done.stdout
+    assert len(lines) == 8, done.stdout
     for line in lines:
         fields = line.split()
         assert int(fields[fields.index("wgmma") + 1]) > 0, line  # the token loop is on wgmma

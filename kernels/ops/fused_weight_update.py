@@ -174,9 +174,10 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
                    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                    W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
                    NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, ROWS: tl.constexpr):
     """The rule epilogue of one (BLOCK_N, BLOCK_K) gradient tile, run on SPLIT column
-    slices of it in turn (1, 2, 4 or 8; sub-tile j is flagged as tile ``tile_id * SPLIT + j``).
+    slices of it in turn, or row slices with ``ROWS`` (1, 2, 4 or 8; sub-tile j, left to
+    right or top to bottom, is flagged as tile ``tile_id * SPLIT + j``).
 
     The epilogue is element-wise, so slicing changes no bit; it bounds what is live at
     once. A 128x128 tile, which halves the GEMM's operand traffic against 64x128, needs
@@ -188,6 +189,18 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
                        offs_n, mask_n, k0, K, KB, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
                        seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
                        ALIGNED_PAIRS, BLOCK_N, BLOCK_K)
+    elif ROWS:
+        # Each half of the tile is epilogued as a tile of half the split, in turn.
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        top, bottom = _row_halves(g, BLOCK_N, BLOCK_K)
+        offs_top, offs_bottom = _halves(offs_n, BLOCK_N)
+        mask_top, mask_bottom = _halves(mask_n, BLOCK_N)
+        for half in tl.static_range(2):
+            _tile_epilogue(top if half == 0 else bottom, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr,
+                           flag_ptr, status_ptr, tile_id * 2 + half, offs_top if half == 0 else offs_bottom,
+                           mask_top if half == 0 else mask_bottom, k0, K, KB, row0, col0, global_k, grad_scale,
+                           h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16,
+                           S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, HALF_N, BLOCK_K, SPLIT // 2, ROWS)
     else:
         # Each half of the tile is epilogued as a tile of half the split, in turn.
         HALF: tl.constexpr = BLOCK_K // 2
@@ -197,7 +210,7 @@ def _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
                            flag_ptr, status_ptr, tile_id * 2 + half, offs_n, mask_n, k0 + half * HALF, K, KB, row0,
                            col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0,
                            HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE, ALIGNED_PAIRS, BLOCK_N,
-                           HALF, SPLIT // 2)
+                           HALF, SPLIT // 2, ROWS)
 
 
 @triton.jit
@@ -205,6 +218,19 @@ def _column_halves(g, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
     """The left and right column halves of a (BLOCK_N, WIDTH) tile: in the reshape,
     (n, s, c) is column s * WIDTH / 2 + c."""
     return tl.split(tl.permute(tl.reshape(g, (BLOCK_N, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _row_halves(g, HEIGHT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The top and bottom row halves of a (HEIGHT, BLOCK_K) tile: in the reshape, (s, n, c)
+    is row s * HEIGHT / 2 + n."""
+    return tl.split(tl.permute(tl.reshape(g, (2, HEIGHT // 2, BLOCK_K)), (1, 2, 0)))
+
+
+@triton.jit
+def _halves(v, LENGTH: tl.constexpr):
+    """The first and second halves of a vector of LENGTH (the rows of ``_row_halves``)."""
+    return tl.split(tl.permute(tl.reshape(v, (2, LENGTH // 2)), (1, 0)))
 
 
 @triton.jit
@@ -225,7 +251,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
                                 DEVICE_SCALARS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                                SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+                                SPLIT: tl.constexpr, ROWS: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,7 +267,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT)
+                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT, ROWS)
 
 
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
@@ -253,7 +279,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
                        NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, DEVICE_SCALARS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -269,7 +295,7 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT)
+                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT, ROWS)
 
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -335,7 +361,7 @@ class _Epilogue:
                 raise TypeError(f"weight_slice must be a forge_kernels.WeightSlice, got {type(weight_slice).__name__}")
             weight_slice.check_fits(weight.shape, q8_state)
             self.place = (weight_slice.row_start, weight_slice.col_start, weight_slice.global_shape[1])
-        if q8_state and self.config.block_k // self.config.epilogue_split < q8.BLOCK:
+        if q8_state and self.config.part_shape[1] < q8.BLOCK:
             raise ValueError(f"q8 state needs block_k / epilogue_split >= {q8.BLOCK} (a tile must hold whole q8 "
                              f"blocks); config has block_k={self.config.block_k}, "
                              f"epilogue_split={self.config.epilogue_split}")
@@ -367,7 +393,8 @@ class _Epilogue:
                                       self.status, N, K, self.blocks_per_row, *self.place,
                                       self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
                                       **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
-                                      SPLIT=self.config.epilogue_split, **self.config.launch_options())
+                                      SPLIT=self.config.epilogue_split, ROWS=self.config.epilogue_axis == "rows",
+                                      **self.config.launch_options())
 
     def check_fused(self, x, dy, weight):
         """Refuse, before anything is launched, a fused call its config's kernel cannot run."""
@@ -388,7 +415,7 @@ class _Epilogue:
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
-            SPLIT=config.epilogue_split,
+            SPLIT=config.epilogue_split, ROWS=config.epilogue_axis == "rows",
             INTERPRETED=interpreting(), **config.launch_options())
 
     def report(self, report: str, input_names: tuple, captured: bool = False):

@@ -8,7 +8,10 @@ was 1.09-1.20x faster than the ping-pong kernel's tuned tile at 512-2,048 tokens
 shapes, where the ping-pong consumers' epilogues leave the tensor cores waiting
 (results/tuning/h200-split-kernel.log); its 128 x 128 tile, whose two warpgroups read
 each x block once for both, is 1.01-1.23x faster again at 1,024-2,048 tokens
-(results/tuning/h200-split-128-rows.log)."""
+(results/tuning/h200-split-128-rows.log). The epilogue's parts are column slices or
+(``epilogue_axis="rows"``) row slices of the tile; row slices, whose weight and state
+rows are copied and stored in runs of the tile's full width, measured 1.03-1.09x faster
+at 1,024 tokens and 1.04-1.07x at 2,048 (results/tuning/h200-row-parts.log)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -29,6 +32,36 @@ def _gradient_slots(block_n, block_k):
     128 x 128 fp32 slot is 64 KB, and the matrix warpgroups then hold the next tile's
     accumulator in their registers while the epilogue drains the slot."""
     return 2 if 2 * block_n * block_k * 4 <= 64 * 1024 else 1
+
+
+@gluon.constexpr_function
+def _parts(block_n, block_k, part_n, part_k):
+    """How many parts of ``part_n x part_k`` make a tile: its column or its row slices."""
+    return (block_n // part_n) * (block_k // part_k)
+
+
+@gluon.constexpr_function
+def _part_row(j, block_k, part_n, part_k):
+    """Part ``j``'s first row in its tile: column slices run left to right, row slices top
+    to bottom (one of the two counts is 1), the portable kernel's flag order."""
+    return (j // (block_k // part_k)) * part_n
+
+
+@gluon.constexpr_function
+def _part_col(j, block_k, part_k):
+    """Part ``j``'s first column in its tile (see ``_part_row``)."""
+    return (j % (block_k // part_k)) * part_k
+
+
+@gluon.jit
+def _part(grad, row: gl.constexpr, col: gl.constexpr, PART_N: gl.constexpr, PART_K: gl.constexpr):
+    """A part of the gradient slot ``grad`` (a column or a row slice of it, or all of it)."""
+    BLOCK_N: gl.constexpr = grad.shape[0]
+    if PART_N < BLOCK_N:
+        part = grad.slice(row, PART_N, dim=0)
+    else:
+        part = grad.slice(col, PART_K, dim=1)
+    return part
 
 
 @gluon.jit
@@ -52,13 +85,13 @@ def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K):
 
 @gluon.jit
 def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
-                  N, K, BLOCK_K: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr):
-    """The epilogue's TMA warp: each tile's weight and state, one column part at a time,
-    into the staging slots (part p of this program in slot p % slots), each once the
-    epilogue has read the slot's previous part."""
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    SUB: gl.constexpr = w_desc.block_type.shape[1]
-    SPLIT: gl.constexpr = BLOCK_K // SUB
+                  N, K, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+                  HAS_S2: gl.constexpr):
+    """The epilogue's TMA warp: each tile's weight and state, one part at a time, into the
+    staging slots (part p of this program in slot p % slots), each once the epilogue has
+    read the slot's previous part."""
+    PART_N: gl.constexpr = w_desc.block_type.shape[0]
+    PART_K: gl.constexpr = w_desc.block_type.shape[1]
     SLOTS: gl.constexpr = w_smem.shape[0]
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
@@ -66,9 +99,10 @@ def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_n = (tile // tiles_k) * BLOCK_N
         off_k = (tile % tiles_k) * BLOCK_K
-        for j in gl.static_range(SPLIT):
+        for j in gl.static_range(_parts(BLOCK_N, BLOCK_K, PART_N, PART_K)):
             _fill_slot(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
-                       part % SLOTS, part // SLOTS, off_n, off_k + j * SUB, HAS_S0, HAS_S1, HAS_S2)
+                       part % SLOTS, part // SLOTS, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
+                       off_k + _part_col(j, BLOCK_K, PART_K), HAS_S0, HAS_S1, HAS_S2)
             part += 1
 
 
@@ -117,11 +151,12 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
     the rounding and the verdict, while the matrix warpgroups compute the next tiles."""
     BLOCK_N: gl.constexpr = grad_smem.shape[1]
     BLOCK_K: gl.constexpr = grad_smem.shape[2]
-    SUB: gl.constexpr = w_smem.shape[2]
-    SPLIT: gl.constexpr = BLOCK_K // SUB
+    PART_N: gl.constexpr = w_smem.shape[1]
+    PART_K: gl.constexpr = w_smem.shape[2]
+    SPLIT: gl.constexpr = _parts(BLOCK_N, BLOCK_K, PART_N, PART_K)
     SLOTS: gl.constexpr = w_smem.shape[0]
     GSLOTS: gl.constexpr = grad_smem.shape[0]
-    epi: gl.constexpr = _epilogue_layout(SUB, gl.num_warps())
+    epi: gl.constexpr = _epilogue_layout(PART_K, gl.num_warps())
     tiles_k = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     if DEVICE_SCALARS:
@@ -138,12 +173,14 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
         grad = grad_smem.index(gslot)
         for j in gl.static_range(SPLIT):
             slot = part % SLOTS
-            _epilogue_part(grad.slice(j * SUB, SUB, dim=1).load(epi), w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr,
-                           status_ptr, w_smem.index(slot), s0_smem.index(slot), s1_smem.index(slot),
-                           s2_smem.index(slot), epi_ready.index(slot), epi_free.index(slot), (part // SLOTS) & 1,
-                           grad_free.index(gslot), j == SPLIT - 1, inputs_ok, tile * SPLIT + j, off_n,
-                           off_k + j * SUB, N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
-                           seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED)
+            g = _part(grad, _part_row(j, BLOCK_K, PART_N, PART_K), _part_col(j, BLOCK_K, PART_K), PART_N, PART_K)
+            _epilogue_part(g.load(epi), w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem.index(slot),
+                           s0_smem.index(slot), s1_smem.index(slot), s2_smem.index(slot), epi_ready.index(slot),
+                           epi_free.index(slot), (part // SLOTS) & 1, grad_free.index(gslot), j == SPLIT - 1,
+                           inputs_ok, tile * SPLIT + j, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
+                           off_k + _part_col(j, BLOCK_K, PART_K), N, K, row0, col0, global_k, grad_scale,
+                           h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16,
+                           STOCHASTIC, ALIGNED)
             part += 1
         visit += 1
 
@@ -177,5 +214,5 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
         (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
-                         N, K, BLOCK_K, HAS_S0, HAS_S1, HAS_S2)),
+                         N, K, BLOCK_N, BLOCK_K, HAS_S0, HAS_S1, HAS_S2)),
     ], [BLOCK_N // 16, 1, 1], [MATRIX_REGISTERS, 24, 24])

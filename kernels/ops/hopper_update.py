@@ -14,8 +14,10 @@ epilogue in the same warps, so the tensor cores idle during the epilogue and HBM
 the loop, and its weight and state loads wait in registers. Here TMA warps copy the next
 dy and x blocks into a ring and the next weight and state parts into staging slots while
 the previous tile is still being worked on; the epilogue reads them from shared memory and
-writes the results with plain stores, one column part of the tile at a time with
-``epilogue_split`` > 1 (the portable kernel's split: the same bits, the same flags).
+writes the results with plain stores, one part of the tile at a time with
+``epilogue_split`` > 1 (the portable kernel's split: the same bits, the same flags): a
+column part, or in the split kernel a row part (``epilogue_axis="rows"``), whose rows the
+TMA copies read and the stores write in runs of the tile's full width.
 
 Same function, same bits: the token loop is the same wgmma instructions over the same
 ``block_t``-token blocks in the same order as the portable kernel's ``tl.dot`` (bf16
@@ -74,9 +76,9 @@ def _tile_descriptor(t, block):
 
 def descriptors(config, x, dy, weight, slot_tensors):
     """The kernel's six TMA descriptors for ``config``: dy and x blocks of ``block_t``
-    tokens, and one column part (``block_k / epilogue_split`` wide) of the weight's and each
-    slot's tile."""
-    part = [config.block_n, config.block_k // config.epilogue_split]
+    tokens, and one part (``TileConfig.part_shape``: a column or row slice) of the weight's
+    and each slot's tile."""
+    part = list(config.part_shape)
     return ([_operand_descriptor(dy, [config.block_t, config.block_n]),
              _operand_descriptor(x, [config.block_t, config.block_k])]
             + [_tile_descriptor(t, part) for t in [weight] + slot_tensors])

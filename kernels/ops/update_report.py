@@ -24,15 +24,18 @@ def _raise_if_flagged(flags: torch.Tensor, grid, config, N: int, K: int):
     bad = torch.nonzero(flags).flatten().tolist()
     if not bad:
         return
-    # Flag i is column slice i % split of program i // split (TileConfig.epilogue_split).
+    # Flag i is slice i % split of program i // split (TileConfig.epilogue_split), its
+    # column slices left to right or its row slices top to bottom (epilogue_axis).
     split = config.epilogue_split
-    width = config.block_k // split
+    height, width = config.part_shape
+    rows = config.epilogue_axis == "rows"
     tiles = []
     for tile_id in bad:
         program, part = divmod(tile_id, split)
         pid_n, pid_k = divmod(program, grid[1])
-        c0 = pid_k * config.block_k + part * width
-        tiles.append((pid_n * config.block_n, min(N, (pid_n + 1) * config.block_n), c0, min(K, c0 + width)))
+        r0 = pid_n * config.block_n + (part * height if rows else 0)
+        c0 = pid_k * config.block_k + (0 if rows else part * width)
+        tiles.append((r0, min(N, r0 + height), c0, min(K, c0 + width)))
     r0, r1, c0, c1 = tiles[0]
     raise NonFiniteUpdateError(
         f"{len(tiles)} of {grid[0] * grid[1] * split} weight tiles had a non-finite gradient, weight or state "
