@@ -10,8 +10,9 @@ shapes, where the ping-pong consumers' epilogues leave the tensor cores waiting
 each x block once for both, is 1.01-1.23x faster again at 1,024-2,048 tokens
 (results/tuning/h200-split-128-rows.log). The epilogue's parts are column slices or
 (``epilogue_axis="rows"``) row slices of the tile; row slices, whose weight and state
-rows are copied and stored in runs of the tile's full width, measured 1.03-1.09x faster
-at 1,024 tokens and 1.04-1.07x at 2,048 (results/tuning/h200-row-parts.log)."""
+rows are copied and stored in runs of the tile's full width, measured 1.00-1.09x faster
+than column slices of the same configs at 512-2,048 tokens (the 128 x 128 tile in
+16-row parts: 1.06-1.08x at 1,024; results/tuning/h200-row-parts.log)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
