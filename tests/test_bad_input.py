@@ -149,9 +149,13 @@ def test_bad_config_and_rule_are_refused(good):
     for maxnreg in (100, 16, 256, True, 128.0):
         with pytest.raises(ValueError, match="maxnreg"):
             fk.TileConfig(maxnreg=maxnreg)
-    for split, block_k in ((3, 64), (8, 128), (4, 32), (2.0, 64)):
+    for split, block_k in ((3, 64), (16, 256), (8, 64), (4, 32), (2.0, 64)):
         with pytest.raises(ValueError, match="epilogue_split"):
             fk.TileConfig(block_k=block_k, epilogue_split=split)
+    with pytest.raises(ValueError, match="leaving row slices of at least 16"):
+        fk.TileConfig(block_n=16, block_k=256, epilogue_split=2, epilogue_axis="rows")
+    with pytest.raises(ValueError, match="epilogue_axis='diagonal'"):
+        fk.TileConfig(epilogue_axis="diagonal")
     with pytest.raises(ValueError, match="block_k / epilogue_split >= 32"):
         _call(x, dy, w, rule.init_state(w, "q8"), rule, config=fk.TileConfig(block_k=64, epilogue_split=4))
 

@@ -88,7 +88,7 @@ def _constexpr_params(kernel):
 @pytest.mark.parametrize("kernel", [fwu_module._fused_weight_update_kernel, fwu_module._apply_rule_kernel,
                                     wg_module._weight_grad_kernel], ids=lambda k: k.fn.__name__)
 def test_only_shapes_tiles_and_flags_are_compile_time(kernel):
-    allowed = {"RULE", "VARIANT", "HAS_S0", "HAS_S1", "HAS_S2", "BLOCK_N", "BLOCK_K", "BLOCK_T", "SPLIT",
+    allowed = {"RULE", "VARIANT", "HAS_S0", "HAS_S1", "HAS_S2", "BLOCK_N", "BLOCK_K", "BLOCK_T", "SPLIT", "ROWS",
                "INTERPRETED", "W_BF16", "S_BF16", "S_Q8", "STOCHASTIC", "NONNEGATIVE", "ALIGNED_PAIRS",
                "DEVICE_SCALARS"}
     assert _constexpr_params(kernel) <= allowed

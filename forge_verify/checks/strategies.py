@@ -21,15 +21,16 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def tile_configs(block_t=None):
-    """Tile configs, with every epilogue split their block_k allows; pass ``block_t`` to
-    pin the token block."""
+    """Tile configs, with every epilogue split, in column or row slices, their block_k or
+    block_n allows; pass ``block_t`` to pin the token block."""
     configs = st.builds(fk.TileConfig,
                         block_n=st.sampled_from(TILE_SIZES),
                         block_k=st.sampled_from(TILE_SIZES),
                         block_t=st.just(block_t) if block_t is not None else st.sampled_from(TILE_SIZES))
     return configs.flatmap(lambda config: st.sampled_from(
-        [split for split in (1, 2, 4) if config.block_k // split >= TILE_SIZES[0]]).map(
-        lambda split: dataclasses.replace(config, epilogue_split=split)))
+        [(axis, split) for axis, sliced in (("columns", config.block_k), ("rows", config.block_n))
+         for split in (1, 2, 4) if sliced // split >= TILE_SIZES[0]]).map(
+        lambda slices: dataclasses.replace(config, epilogue_axis=slices[0], epilogue_split=slices[1])))
 
 
 def sizes(max_size=81):
@@ -55,8 +56,9 @@ def regimes():
 
 def fit_config(config, regime):
     """``config``, widened to whole q8 blocks per epilogue slice where the regime keeps q8 state."""
-    if regime.state_format == "q8" and config.block_k // config.epilogue_split < fk.q8.BLOCK:
-        return dataclasses.replace(config, block_k=max(config.block_k, fk.q8.BLOCK * config.epilogue_split))
+    if regime.state_format == "q8" and config.part_shape[1] < fk.q8.BLOCK:
+        slices = 1 if config.epilogue_axis == "rows" else config.epilogue_split
+        return dataclasses.replace(config, block_k=max(config.block_k, fk.q8.BLOCK * slices))
     return config
 
 
