@@ -357,7 +357,7 @@ def tune(shape, tokens, regimes, candidates, bandwidth, matrix_rate, writer, met
             results = []
             for candidate in candidates:
                 config = fk.TileConfig(*candidate)
-                if REGIMES[regime][1] == "q8" and config.block_k // config.epilogue_split < fk.q8.BLOCK:
+                if REGIMES[regime][1] == "q8" and config.part_shape[1] < fk.q8.BLOCK:
                     continue
                 try:
                     step = kernel_step(layer, config)

@@ -26,9 +26,10 @@ def where(config, name, a, b):
     if not len(bad):
         return None
     rows, cols = bad[:, 0].tolist(), bad[:, 1].tolist()
-    sub = config.block_k // config.epilogue_split
+    height, sub = config.part_shape
     tiles = sorted({(r // config.block_n, c // config.block_k) for r, c in zip(rows, cols)})
-    parts = sorted({c % config.block_k // sub for c in cols})
+    parts = sorted({(r % config.block_n // height) * (config.block_k // sub) + c % config.block_k // sub
+                    for r, c in zip(rows, cols)})
     return (f"{name}: {len(rows)} differ in {len(tiles)} tiles {tiles[:4]} parts {parts} "
             f"rows-in-tile {sorted({r % config.block_n for r in rows})[:12]} "
             f"cols-in-part {sorted({c % sub for c in cols})[:12]}")

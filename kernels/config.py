@@ -87,7 +87,7 @@ class TileConfig:
         its layout covers the part without repeating), and 4 warps (ping-pong consumers)
         or 8 (split epilogue warps)."""
         part_rows, part = self.part_shape
-        if self.epilogue_axis == "rows":
+        if self.epilogue_axis == "rows" and self.epilogue_split > 1:  # one slice is the whole tile either way
             parts_ok = self.num_warps == 8 and part_rows * part >= 4 * 32 * self.num_warps
             parts_rule = (f"such that a row part (block_n / epilogue_split x block_k) has at least 1,024 elements, "
                           f"with num_warps=8, not {part_rows} x {part}")

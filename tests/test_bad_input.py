@@ -206,31 +206,33 @@ def test_non_finite_inputs_write_nothing(good, where, value):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("oracle", [False, True])
-@pytest.mark.parametrize("config, tiles, columns", [
-    (fk.TileConfig(block_n=16, block_k=16, block_t=16), 9, (16, 32)),
+@pytest.mark.parametrize("config, tiles, row, rows, columns", [
+    (fk.TileConfig(block_n=16, block_k=16, block_t=16), 9, 5, (0, 16), (16, 32)),
     # 64-column tiles whose epilogue runs on 16-column slices: the slice is what is skipped.
-    (fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4), 12, (16, 32)),
-    # 64-row tiles in 16-row slices: rows 0:16 of the tile (not its 40 rows) are skipped.
-    (fk.TileConfig(block_n=64, block_k=16, block_t=16, epilogue_split=4, epilogue_axis="rows"), 12, (16, 32))],
+    (fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4), 12, 5, (0, 16), (16, 32)),
+    # 64-row tiles in 16-row slices, the overflow in the second: rows 16:32 of the tile (not
+    # its 40 rows, nor another slice) are skipped.
+    (fk.TileConfig(block_n=64, block_k=16, block_t=16, epilogue_split=4, epilogue_axis="rows"), 12, 21, (16, 32),
+     (16, 32))],
     ids=["whole", "split", "row-split"])
-def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle, config, tiles, columns):
+def test_overflowing_tile_is_left_unchanged_and_reported(device, oracle, config, tiles, row, rows, columns):
     """A finite x and dy whose product overflows fp32 in one tile: that tile keeps its
     old weight and state, the others step, and the call says which tile it was."""
     x = torch.ones(4, 40, device=device)
     dy = torch.ones(4, 40, device=device)
     x[:, 20] = 1e20
-    dy[:, 5] = 1e20  # only dW[5, 20] = 4e40 overflows; SGD squares nothing, so no other element does
+    dy[:, row] = 1e20  # only dW[row, 20] = 4e40 overflows; SGD squares nothing, so no other element does
     w = torch.ones(40, 40, device=device)
     rule = fk.SGD(lr=1e-2, momentum=0.9)
     state = rule.init_state(w)
-    c0, c1 = columns
+    (r0, r1), (c0, c1) = rows, columns
     with pytest.raises(fk.NonFiniteUpdateError,
-                       match=rf"1 of {tiles} weight tiles .* rows 0:16, columns {c0}:{c1}") as info:
+                       match=rf"1 of {tiles} weight tiles .* rows {r0}:{r1}, columns {c0}:{c1}") as info:
         _call(x, dy, w, state, rule, config=config, oracle=oracle)
-    assert info.value.tiles == [(0, 16, c0, c1)]
-    assert torch.all(w[0:16, c0:c1] == 1) and torch.all(state["momentum_buffer"][0:16, c0:c1] == 0)
+    assert info.value.tiles == [(r0, r1, c0, c1)]
+    assert torch.all(w[r0:r1, c0:c1] == 1) and torch.all(state["momentum_buffer"][r0:r1, c0:c1] == 0)
     outside = torch.ones_like(w, dtype=torch.bool)
-    outside[0:16, c0:c1] = False
+    outside[r0:r1, c0:c1] = False
     assert torch.all(w[outside] != 1)
     assert torch.isfinite(w).all() and all(torch.isfinite(s).all() for s in state.values())
 

@@ -288,19 +288,21 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config, skipped", [
-    (CONFIGS[0], [(64, 128, 32, 64)]), (CONFIGS[2], [(64, 128, 32, 64)]), (SPLIT, [(64, 128, 32, 64)]),
-    (WIDE, [(0, 128, 32, 64)]), (ROWS, [(row, row + 16, 0, 96) for row in range(64, 128, 16)])],
-    ids=lambda c: _name(c) if isinstance(c, fk.TileConfig) else "")
-def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config, skipped):
-    """A gradient that overflows in the tile (or, of a 128-column tile, the column part)
-    at rows 64-127, columns 32-63 only: of a 128-row tile, the rows of its second matrix
-    warpgroup, so the skipped column part spans rows 0-127; row parts of 16 skip the four
-    that hold rows 64-127, across the tile's width (the weight's 96 columns)."""
+@pytest.mark.parametrize("config, hot, skipped", [
+    (CONFIGS[0], (64, 128), [(64, 128, 32, 64)]), (CONFIGS[2], (64, 128), [(64, 128, 32, 64)]),
+    (SPLIT, (64, 128), [(64, 128, 32, 64)]), (WIDE, (64, 128), [(0, 128, 32, 64)]),
+    (ROWS, (64, 128), [(row, row + 16, 0, 96) for row in range(64, 128, 16)]), (ROWS, (80, 96), [(80, 96, 0, 96)])],
+    ids=lambda c: _name(c) if isinstance(c, fk.TileConfig) else f"rows{c[0]}-{c[1]}" if isinstance(c, tuple) else "")
+def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config, hot, skipped):
+    """A gradient that overflows in the ``hot`` rows and columns 32-63 only. Rows 64-127
+    of a 128-row tile are its second matrix warpgroup's, so the skipped column part spans
+    rows 0-127; row parts of 16 skip the four that hold rows 64-127, across the tile's
+    width (the weight's 96 columns), and with rows 80-95 hot the sixth part alone (which
+    pins the parts' order against the portable kernel's, not only their set)."""
     rule = fk.SGD(lr=1.0)
     x, dy, w = _inputs(64, 192, 96, torch.float32)
     x[:, 32:64] = 2.0**60
-    dy[:, 64:128] = 2.0**80
+    dy[:, hot[0]:hot[1]] = 2.0**80
     found = []
     for kernel_config in (config, _portable(config)):
         w_k, state = w.clone(), rule.init_state(w)
@@ -323,7 +325,8 @@ def test_num_warps_picks_the_structure():
 
 
 @pytest.mark.parametrize("fields, wrong", [
-    (dict(block_n=128), "block_n=128"), (dict(block_n=128, num_warps=8, epilogue_split=4), "epilogue_split=4"),
+    (dict(block_n=128), "block_n=128"),
+    (dict(block_k=64, num_warps=8, epilogue_split=4), r"epilogue_split=4 \(must be such that block_k / epilogue_split"),
     (dict(block_k=256, epilogue_split=4), "block_k=256"),
     (dict(num_warps=2), "num_warps=2"), (dict(maxnreg=128), "maxnreg=128"),
     (dict(epilogue_split=2), "epilogue_split=2"), (dict(block_k=128), "epilogue_split=1"),

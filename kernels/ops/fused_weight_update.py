@@ -362,9 +362,9 @@ class _Epilogue:
             weight_slice.check_fits(weight.shape, q8_state)
             self.place = (weight_slice.row_start, weight_slice.col_start, weight_slice.global_shape[1])
         if q8_state and self.config.part_shape[1] < q8.BLOCK:
-            raise ValueError(f"q8 state needs block_k / epilogue_split >= {q8.BLOCK} (a tile must hold whole q8 "
-                             f"blocks); config has block_k={self.config.block_k}, "
-                             f"epilogue_split={self.config.epilogue_split}")
+            raise ValueError(f"q8 state needs block_k / epilogue_split >= {q8.BLOCK} (block_k >= {q8.BLOCK} with row "
+                             f"slices: a slice must hold whole q8 blocks); config has block_k={self.config.block_k}, "
+                             f"epilogue_split={self.config.epilogue_split}, epilogue_axis={self.config.epilogue_axis!r}")
         # A slot the rule does not keep gets the weight's pointer; the kernel never touches it.
         self.slot_tensors = [state[name] if name is not None else weight for name in layout]
         self.exponent_tensors = [state[name + q8.EXPONENT_SUFFIX] if q8_state and name is not None else weight

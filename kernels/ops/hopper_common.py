@@ -1,9 +1,10 @@
 """What both Hopper kernel structures (``hopper_pingpong``, ``hopper_split``) share: a
 tile's token loop on wgmma, the TMA copy of one block of it into the ring, and the
-epilogue's arithmetic on one column part of a tile (the portable kernel's rule, rounding,
-verdict and Philox words, bit for bit), read from staging slots a TMA warp fills; the
-ring, staging slots and gradient layout both allocate in shared memory; and the few Gluon
-names that changed between triton 3.6 and 3.9."""
+epilogue's arithmetic on one part of a tile (a column part, or in the split kernel a row
+part: the portable kernel's rule, rounding, verdict and Philox words, bit for bit), read
+from staging slots a TMA warp fills; the ring, staging slots and gradient layout both
+allocate in shared memory; and the few Gluon names that changed between triton 3.6 and
+3.9."""
 
 import triton.language as tl
 from triton.experimental import gluon
@@ -57,7 +58,7 @@ def _fill_stage(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, counter, i, off_n
 @gluon.jit
 def _fill_slot(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, slot,
                uses, off_n, col, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr):
-    """Copy the weight's and each state slot's column part at (off_n, col) into staging
+    """Copy the weight's and each state slot's part at (off_n, col) into staging
     slot ``slot`` once the epilogue has read what its ``uses`` earlier fills put there."""
     EPI_BYTES: gl.constexpr = (w_desc.block_type.nbytes + HAS_S0 * s0_desc.block_type.nbytes
                                + HAS_S1 * s1_desc.block_type.nbytes + HAS_S2 * s2_desc.block_type.nbytes)
@@ -134,7 +135,8 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
                    RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                    HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
                    ALIGNED: gl.constexpr):
-    """The portable epilogue's arithmetic on one column part (BLOCK_N x SUB) of a tile, on
+    """The portable epilogue's arithmetic on one part (BLOCK_N x SUB: the staging slot's
+    shape, a column or a row part) of a tile whose first element is at (off_n, off_k), on
     the calling partition's warps: its gradient ``g`` in the epilogue layout, its weight and state in one
     staging slot, the portable kernel's ``_rule_epilogue`` on its ``epilogue_split`` slice
     ``flag``. With ``RELEASE_GRAD`` (the last part of a tile whose gradient waits in a slot
@@ -211,7 +213,7 @@ def _ring(dy_desc, x_desc, NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _staging_slots(w_desc, s0_desc, s1_desc, s2_desc, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                    HAS_S2: gl.constexpr, SLOTS: gl.constexpr):
-    """``SLOTS`` staging slots of a column part's weight and state, and their barriers
+    """``SLOTS`` staging slots of a part's weight and state, and their barriers
     (filled: ``epi_ready``; read: ``epi_free``)."""
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [SLOTS] + w_desc.block_type.shape, w_desc.layout)
     s0_smem = _staging_buffer(s0_desc, w_smem, HAS_S0, SLOTS)
