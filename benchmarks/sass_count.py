@@ -126,7 +126,7 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
     rule = fk.AdamW()
     constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
                      W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,
-                     DEVICE_SCALARS=True, NUM_STAGES=stages)
+                     DEVICE_SCALARS=True, NUM_STAGES=stages, **hopper_update.structure_constants(tile))
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
     # As a launch specializes them: 16-byte aligned pointers, and T, N, K (256, 4096, 4096) multiples of 16.

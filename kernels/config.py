@@ -12,6 +12,8 @@ from typing import Optional
 _TILE_SIZES = (16, 32, 64, 128, 256)
 KERNELS = ("portable", "hopper")
 EPILOGUE_AXES = ("columns", "rows")
+EPILOGUE_STAGES = (1, 2, 3, 4)
+DEFAULT_EPILOGUE_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,12 @@ class TileConfig:
     at least 16 rows and 1,024 elements (whole rows of the tile, which its TMA copies and
     stores read and write in runs of the tile's width: measured faster on an H200). Its
     oracle (``oracle=True``) and ``apply_rule`` run the portable kernels with the same
-    tile and slices."""
+    tile and slices.
+
+    ``epilogue_stages`` is how many parts' weight and state the split kernel's TMA warp
+    stages ahead in shared memory (part p of a program in slot p % epilogue_stages, each
+    refilled once the epilogue warps have read it); None is its default, 2. Only the split
+    kernel takes it; it moves no bit (the staging order and the arithmetic are the same)."""
 
     block_n: int = 64
     block_k: int = 64
@@ -45,6 +52,7 @@ class TileConfig:
     epilogue_split: int = 1
     kernel: str = "portable"
     epilogue_axis: str = "columns"
+    epilogue_stages: Optional[int] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t"):
@@ -69,8 +77,21 @@ class TileConfig:
                              f"({'block_n' if self.epilogue_axis == 'rows' else 'block_k'}={sliced})")
         if self.kernel not in KERNELS:
             raise ValueError(f"TileConfig.kernel={self.kernel!r}: must be one of {KERNELS}")
+        if self.epilogue_stages is not None and (type(self.epilogue_stages) is not int
+                                                 or self.epilogue_stages not in EPILOGUE_STAGES):
+            raise ValueError(f"TileConfig.epilogue_stages={self.epilogue_stages!r}: must be None (the split "
+                             f"kernel's default, {DEFAULT_EPILOGUE_STAGES}) or one of {EPILOGUE_STAGES}")
         if self.kernel == "hopper":
             self._check_hopper()
+        elif self.epilogue_stages is not None:
+            raise ValueError(f"TileConfig.epilogue_stages={self.epilogue_stages!r}: only the split Hopper kernel "
+                             "(kernel='hopper', num_warps=8) stages parts ahead; leave it None for the portable "
+                             "kernel")
+
+    @property
+    def staging_slots(self) -> int:
+        """How many parts the split Hopper kernel stages ahead (``epilogue_stages``, or its default)."""
+        return DEFAULT_EPILOGUE_STAGES if self.epilogue_stages is None else self.epilogue_stages
 
     @property
     def part_shape(self) -> tuple:
@@ -103,7 +124,9 @@ class TileConfig:
             ("num_warps", "4 or 8", self.num_warps in (4, 8)),
             ("num_stages", "2-8", 2 <= self.num_stages <= 8),
             ("maxnreg", "None", self.maxnreg is None),
-            ("epilogue_split", parts_rule, parts_ok)) if not ok]
+            ("epilogue_split", parts_rule, parts_ok),
+            ("epilogue_stages", "None with num_warps=4 (the ping-pong kernel stages one part per consumer)",
+             self.epilogue_stages is None or self.num_warps == 8)) if not ok]
         if wrong:
             raise ValueError("TileConfig(kernel='hopper'): " + "; ".join(wrong))
 

@@ -156,6 +156,12 @@ def test_bad_config_and_rule_are_refused(good):
         fk.TileConfig(block_n=16, block_k=256, epilogue_split=2, epilogue_axis="rows")
     with pytest.raises(ValueError, match="epilogue_axis='diagonal'"):
         fk.TileConfig(epilogue_axis="diagonal")
+    for stages in (0, 5, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=f"epilogue_stages={stages!r}: must be None"):
+            fk.TileConfig(128, 128, 64, 8, 3, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
+                          epilogue_stages=stages)
+    with pytest.raises(ValueError, match="epilogue_stages=3: only the split Hopper kernel"):
+        fk.TileConfig(epilogue_stages=3)
     with pytest.raises(ValueError, match="block_k / epilogue_split >= 32"):
         _call(x, dy, w, rule.init_state(w, "q8"), rule, config=fk.TileConfig(block_k=64, epilogue_split=4))
 

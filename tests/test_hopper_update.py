@@ -34,7 +34,12 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            # Row parts (whole rows of the tile): eight of the 128 x 128 tile (the tuned one),
            # four of a 64 x 128 tile.
            fk.TileConfig(128, 128, 64, 8, 3, epilogue_split=8, kernel="hopper", epilogue_axis="rows"),
-           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper", epilogue_axis="rows")]
+           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper", epilogue_axis="rows"),
+           # Staging slots other than two: one (each part loaded while the last one is worked on),
+           # three beside a two-stage ring (the 128 x 128 tile's row parts).
+           fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper", epilogue_stages=1),
+           fk.TileConfig(128, 128, 64, 8, 2, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
+                         epilogue_stages=3)]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]
@@ -69,14 +74,15 @@ def _fits(config, rule_name, regime):
     ``test_hopper_kernel_refuses_a_tile_that_does_not_fit``). Ping-pong: a weight and
     three fp32 slots exceed it beside a 64x64 tile's ring, or beside a wider tile's
     accumulator and two staging slots. Split: the ring, the gradient slots (two, or one of
-    a 128 x 128 tile) and two staging slots of a part's weight and state, with 2 KB to
-    spare for barriers and reductions."""
+    a 128 x 128 tile) and ``staging_slots`` slots of a part's weight and state, with 2 KB
+    to spare for barriers and reductions."""
     w_dtype, state_format, _ = REGIMES[regime]
     if config.num_warps == 4:
         return not (rule_name == "rmsprop-centered" and state_format == "fp32" and config.block_k >= 64)
     slots = sum(name is not None for name in RULES[rule_name]().slot_layout)
     part_rows, part_cols = config.part_shape
-    staged = 2 * part_rows * part_cols * (torch.finfo(w_dtype).bits // 8 + slots * (4 if state_format == "fp32" else 2))
+    part_bytes = part_rows * part_cols * (torch.finfo(w_dtype).bits // 8 + slots * (4 if state_format == "fp32" else 2))
+    staged = config.staging_slots * part_bytes
     ring = config.num_stages * config.block_t * (config.block_n + config.block_k) * 2
     gradient = config.block_n * config.block_k * 4
     gradient_slots = 2 if 2 * gradient <= 64 * 1024 else 1
@@ -147,11 +153,12 @@ def _assert_portable_bits_in_a_slice(config, regime, rule_name, shape, where, se
 
 def _name(config):
     return (f"{config.block_n}x{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
-            f"{'r' if config.epilogue_axis == 'rows' else ''}w{config.num_warps}")
+            f"{'r' if config.epilogue_axis == 'rows' else ''}w{config.num_warps}"
+            f"{'' if config.epilogue_stages is None else f's{config.epilogue_stages}'}")
 
 
 def _portable(config):
-    return dataclasses.replace(config, kernel="portable")
+    return dataclasses.replace(config, kernel="portable", epilogue_stages=None)
 
 
 @hopper
@@ -333,7 +340,8 @@ def test_num_warps_picks_the_structure():
     (dict(block_t=16), "block_t=16"), (dict(num_stages=1), "num_stages=1"),
     (dict(epilogue_split=2, epilogue_axis="rows"), "epilogue_split=2.*with num_warps=8"),
     (dict(num_warps=8, epilogue_split=4, epilogue_axis="rows"), "epilogue_split=4.*not 16 x 32"),
-    (dict(epilogue_axis="diagonal"), "epilogue_axis='diagonal'")])
+    (dict(epilogue_axis="diagonal"), "epilogue_axis='diagonal'"),
+    (dict(epilogue_stages=3), r"epilogue_stages=3 \(must be None with num_warps=4")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
     with pytest.raises(ValueError, match=wrong):

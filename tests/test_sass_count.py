@@ -37,3 +37,18 @@ def test_sass_count_compiles_the_hopper_kernel_for_sm90_offline():
         fields = line.split()
         assert int(fields[fields.index("wgmma") + 1]) > 0, line  # the token loop is on wgmma
         assert int(fields[fields.index("instructions") + 1]) > 1000, line
+
+
+def test_epilogue_stages_reach_the_split_kernel():
+    """``TileConfig.epilogue_stages`` sets the split kernel's staging slots: one more slot is
+    one more part of weight and state in shared memory (AdamW in fp32: a 16 x 128 row part
+    of the weight and two state slots, 24 KiB) and its two 8-byte barriers (allocations are
+    aligned: 32 bytes more with triton 3.6 and 3.9); nothing else changes size."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_count.py"), "--regimes", "fp32",
+                           "--configs", "128,128,64,8,2,None,8,hopper,rows;128,128,64,8,2,None,8,hopper,rows,3"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shared = [int(row.split()[row.split().index("shared") + 1]) for row in done.stdout.splitlines()
+              if row.startswith("fp32")]
+    assert len(shared) == 2, done.stdout
+    assert 16 < shared[1] - shared[0] - 16 * 128 * 4 * 3 <= 64, shared

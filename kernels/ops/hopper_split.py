@@ -193,11 +193,12 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
                  RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
-                 NUM_STAGES: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr):
     """Persistent, one program per multiprocessor: the matrix warpgroups compute this
     program's gradient tiles one after another into the gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
-    feed the one with dy and x blocks and the other with weight and state parts."""
+    feed the one with dy and x blocks (``NUM_STAGES`` ring stages) and the other with
+    weight and state parts (``EPILOGUE_STAGES`` staging slots)."""
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     dy_bufs, x_bufs, ready, free = _ring(dy_desc, x_desc, NUM_STAGES)
@@ -206,7 +207,7 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
     grad_ready = _barriers(GRAD_SLOTS)
     grad_free = _barriers(GRAD_SLOTS)
     w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free = _staging_slots(w_desc, s0_desc, s1_desc, s2_desc, HAS_S0,
-                                                                           HAS_S1, HAS_S2, 2)
+                                                                           HAS_S1, HAS_S2, EPILOGUE_STAGES)
     gl.warp_specialize([
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
                      w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,

@@ -46,6 +46,12 @@ def kernel_for(config):
     return split_kernel if config.num_warps == 8 else pingpong_kernel
 
 
+def structure_constants(config) -> dict:
+    """The compile-time arguments of ``kernel_for(config)`` that only its structure takes:
+    the split kernel's staging slots."""
+    return dict(EPILOGUE_STAGES=config.staging_slots) if kernel_for(config) is split_kernel else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -105,11 +111,12 @@ def launch(epilogue, x, dy, weight):
             RULE=args["RULE"], VARIANT=args["VARIANT"], HAS_S0=args["HAS_S0"], HAS_S1=args["HAS_S1"],
             HAS_S2=args["HAS_S2"], W_BF16=args["W_BF16"], S_BF16=args["S_BF16"], STOCHASTIC=args["STOCHASTIC"],
             ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"], NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps, enable_fp_fusion=False)
+            **structure_constants(config), num_warps=config.num_warps, enable_fp_fusion=False)
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
-        raise ValueError(f"{config} stages its token blocks, weight and state parts and its gradient tiles (two "
-                         f"slots in the split kernel, one of a 128 x 128 tile; one per consumer for a tile of "
-                         f"several parts in the ping-pong kernel) in shared memory, and with "
+        raise ValueError(f"{config} stages its token blocks, weight and state parts ({config.staging_slots} "
+                         f"slots in the split kernel) and its gradient tiles (two slots in the split kernel, one "
+                         f"of a 128 x 128 tile; one per consumer for a tile of several parts in the ping-pong "
+                         f"kernel) in shared memory, and with "
                          f"{len([t for t in epilogue.slot_tensors if t is not weight])} state slots of "
                          f"{epilogue.state_format} beside a {weight.dtype} weight they do not fit ({error}); use "
-                         "a narrower tile or part, shorter token blocks or fewer stages") from error
+                         "a narrower tile or part, shorter token blocks, fewer stages or fewer epilogue_stages") from error
