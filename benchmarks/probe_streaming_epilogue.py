@@ -32,7 +32,8 @@ import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_ker
 
 fk = bu.fk
 from forge_kernels.ops.finite_check import BAD_TILES  # noqa: E402
-from forge_kernels.ops.fused_weight_update import _device_scalars, _Epilogue, _tile_epilogue  # noqa: E402
+from forge_kernels.ops.fused_weight_update import (_device_grad_scale, _device_scalars, _Epilogue,  # noqa: E402
+                                                   _tile_epilogue)
 
 # (block_n, block_k, num_warps, epilogue_split, maxnreg): 8 to 32 elements per thread per slice,
 # 2-8 warps, with and without a register cap.
@@ -48,12 +49,13 @@ SWEEP = [(16, 128, 4, 1, None), (32, 128, 4, 1, None), (32, 128, 8, 1, None), (6
 def _synthetic_gradient_epilogue_kernel(w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr,
                                         status_ptr, N, K, KB, row0, col0, global_k, grad_scale,
                                         h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
-                                        RULE: tl.constexpr, VARIANT: tl.constexpr,
+                                        grad_scale_ptr, RULE: tl.constexpr, VARIANT: tl.constexpr,
                                         HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                                         W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                         STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr,
                                         ALIGNED_PAIRS: tl.constexpr, DEVICE_SCALARS: tl.constexpr,
-                                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                                        DEVICE_GRAD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,11 +64,13 @@ def _synthetic_gradient_epilogue_kernel(w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e
     g = (offs_k[None, :] - offs_n[:, None]).to(tl.float32) * 1e-7
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
+    if DEVICE_GRAD_SCALE:
+        grad_scale = _device_grad_scale(grad_scale_ptr)
     _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr,
                    pid_n * tl.num_programs(1) + pid_k, offs_n, offs_n < N, pid_k * BLOCK_K, K, KB, row0, col0,
                    global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, S_Q8, STOCHASTIC, NONNEGATIVE,
-                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT)
+                   ALIGNED_PAIRS, BLOCK_N, BLOCK_K, SPLIT, ROWS)
 
 
 @triton.jit
@@ -91,11 +95,11 @@ def synthetic_step(layer, state, entry):
     e = _Epilogue(layer.w, state, bu.rule(), 1, config, None, 0, 1.0, None)
     n, k = e.shape
     args = (layer.w, *e.slot_tensors, *e.exponent_tensors, e.flags, e.status, n, k, e.blocks_per_row,
-            *e.place, e.grad_scale, *e.scalars, e.seed, *e.device_scalars)
+            *e.place, e.grad_scale, *e.scalars, e.seed, *e.device_scalars, e.grad_scale_ptr)
 
     def step():
         _synthetic_gradient_epilogue_kernel[e.grid](*args, **e.rule_args, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                     SPLIT=split, **config.launch_options())
+                                                     SPLIT=split, ROWS=False, **config.launch_options())
     return step, e
 
 

@@ -61,10 +61,11 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool):
                      T="i32", N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32",
                      stride_xt="i32", stride_xk="constexpr", stride_dyt="i32", stride_dyn="constexpr",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64",
-                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}")
+                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}")
     constants = dict(stride_xk=1, stride_dyn=1, RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True,
                      HAS_S2=False, W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8",
                      STOCHASTIC=stochastic, NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False,
+                     DEVICE_GRAD_SCALE=False,
                      BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False)
     for name in KERNEL.arg_names:
         if name in constants:
@@ -122,11 +123,12 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
     signature.update(w_ptr=pointer, s0_ptr=pointer, s1_ptr=pointer, s2_ptr=pointer, flag_ptr="*i32",
                      status_ptr="*i32", T="i32", N="i32", K="i32", row0="i32", col0="i32", global_k="i32",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr="*fp32",
-                     seed_ptr="*i64")  # a StepScalars' float32 values and int64 key
+                     seed_ptr="*i64", grad_scale_ptr=pointer)  # a StepScalars' float32 values and int64 key
     rule = fk.AdamW()
     constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
                      W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,
-                     DEVICE_SCALARS=True, NUM_STAGES=stages, **hopper_update.structure_constants(tile))
+                     DEVICE_SCALARS=True, DEVICE_GRAD_SCALE=False, NUM_STAGES=stages,
+                     **hopper_update.structure_constants(tile))
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
     # As a launch specializes them: 16-byte aligned pointers, and T, N, K (256, 4096, 4096) multiples of 16.

@@ -248,6 +248,22 @@ def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, laun
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS], ids=["pingpong", "split", "split-row-parts"])
+def test_hopper_kernel_reads_a_device_grad_scale(config, launches):
+    """A one-element device tensor as ``grad_scale`` gives the portable kernel's bits with
+    the same tensor, and the bits of the same scale passed as a number."""
+    rule = fk.AdamW(lr=1e-2)
+    x, dy, w = _inputs(96, 128, 64, torch.bfloat16, seed=4)
+    state = _state(rule, w, "bf16")
+    scale = torch.tensor([0.375], device="cuda")
+    fast = _steps(config, rule, x, dy, w, state, seed=9, grad_scale=scale)
+    assert launches[0] == 2
+    _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, seed=9, grad_scale=scale), "portable")
+    _assert_same(fast, _steps(config, rule, x, dy, w, state, seed=9, grad_scale=0.375), "the number")
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
 def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config):
     rule = fk.AdamW(lr=1e-2)

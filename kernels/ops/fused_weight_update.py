@@ -115,7 +115,8 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
 
     ``grad_scale`` multiplies the gradient tile once, in fp32, before the rule: the same
     multiply ``clip_grad_norm_`` applies to a materialized gradient. A scale of 1.0
-    changes no bit, so unclipped steps are unaffected.
+    changes no bit, so unclipped steps are unaffected. With ``DEVICE_GRAD_SCALE`` the
+    kernel has read it from ``grad_scale_ptr`` (``_device_grad_scale``) before this.
     """
     # The input check's verdict, read first: its latency then overlaps the loads and the rule
     # instead of following the tile's reduction.
@@ -241,16 +242,27 @@ def _device_scalars(scalars_ptr, seed_ptr):
             tl.load(seed_ptr))
 
 
+@triton.jit
+def _device_grad_scale(grad_scale_ptr):
+    """A gradient scale held in device memory, made NaN where it is negative (NaN and
+    infinities stay as they are): the gradient it scales is then non-finite everywhere,
+    so no part stores (the guard every non-finite gradient meets), where a host scale
+    would have been refused."""
+    scale = tl.load(grad_scale_ptr)
+    return tl.where(scale >= 0.0, scale, float("nan"))
+
+
 @triton.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr,
                                 status_ptr, T, N, K, KB, row0, col0, global_k,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
-                                h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                                h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
                                 RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
-                                DEVICE_SCALARS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                                DEVICE_SCALARS: tl.constexpr, DEVICE_GRAD_SCALE: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 SPLIT: tl.constexpr, ROWS: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -263,6 +275,8 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
+    if DEVICE_GRAD_SCALE:
+        grad_scale = _device_grad_scale(grad_scale_ptr)
     _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
@@ -274,12 +288,13 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
 def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr,
                        N, K, KB,
                        row0, col0, global_k, grad_scale,
-                       h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                       h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
                        RULE: tl.constexpr, VARIANT: tl.constexpr,
                        HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                        W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr, STOCHASTIC: tl.constexpr,
                        NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr, DEVICE_SCALARS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr):
+                       DEVICE_GRAD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, ROWS: tl.constexpr):
     """Oracle, second half: the same epilogue, its gradient tile read from memory."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -291,6 +306,8 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
+    if DEVICE_GRAD_SCALE:
+        grad_scale = _device_grad_scale(grad_scale_ptr)
     _tile_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, flag_ptr, status_ptr, tile_id,
                    offs_n, mask_n, pid_k * BLOCK_K, K, KB, row0, col0, global_k, grad_scale,
                    h0, h1, h2, h3, h4, h5, h6, h7, seed,
@@ -334,7 +351,11 @@ class _Epilogue:
     device status and per-tile flags its kernels write (one zeroed allocation)."""
 
     def __init__(self, weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice):
-        self.grad_scale = check_grad_scale(grad_scale)
+        scale = check_grad_scale(grad_scale, weight)
+        # A device scale is read by the kernels (DEVICE_GRAD_SCALE); the float argument is then unused.
+        on_device_scale = isinstance(scale, torch.Tensor)
+        self.grad_scale = 1.0 if on_device_scale else scale
+        self.grad_scale_ptr = scale if on_device_scale else weight  # an unused pointer for a host scale
         self.config = PINNED if config is None else config
         if not isinstance(self.config, TileConfig):
             raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(self.config).__name__}")
@@ -376,6 +397,7 @@ class _Epilogue:
             STOCHASTIC=rounding == "stochastic",
             # Pairs of columns share a Philox call; a slice at an odd column splits them.
             ALIGNED_PAIRS=self.place[1] % 2 == 0, DEVICE_SCALARS=isinstance(step, StepScalars),
+            DEVICE_GRAD_SCALE=on_device_scale,
             NONNEGATIVE=sum(1 << i for i, name in enumerate(layout) if name in rule.nonnegative))
         self.state_format = state_format
         self.shape = tuple(weight.shape)
@@ -392,7 +414,7 @@ class _Epilogue:
         _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.flags,
                                       self.status, N, K, self.blocks_per_row, *self.place,
                                       self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
-                                      **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
+                                      self.grad_scale_ptr, **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
                                       SPLIT=self.config.epilogue_split, ROWS=self.config.epilogue_axis == "rows",
                                       **self.config.launch_options())
 
@@ -413,7 +435,7 @@ class _Epilogue:
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-            self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
+            self.grad_scale, *self.scalars, self.seed, *self.device_scalars, self.grad_scale_ptr,
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             SPLIT=config.epilogue_split, ROWS=config.epilogue_axis == "rows",
             INTERPRETED=interpreting(), **config.launch_options())
@@ -461,7 +483,12 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     activations, fp32 or bf16 state; the same bits as the portable kernel at the same tile)
     and its oracle as the portable kernels.
     ``grad_scale`` (a float32 value) multiplies the gradient before the rule, as
-    ``clip_grad_norm_``'s clip coefficient multiplies a materialized gradient.
+    ``clip_grad_norm_``'s clip coefficient multiplies a materialized gradient. It may also
+    be a one-element float32 tensor on the weight's device (a clip coefficient computed
+    there, or a loss scaler's inverse scale), which the kernel reads itself: nothing is
+    synchronized, and a captured call reads it at every replay. Its value is not checked
+    on the host; a negative, infinite or NaN device scale makes every part's gradient
+    non-finite, so nothing is stored and the report names every tile.
 
     Non-finite values: a kernel launched just before the update counts NaN/inf in x
     and dy on the device; if there are any, the update writes nothing and the call
@@ -495,7 +522,8 @@ def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, s
     """One step of ``rule`` on a materialized fp32 gradient ``grad`` (N, K), in place: the
     epilogue of the fused kernel (same rounding streams, same non-finite guard: a
     non-finite ``grad`` writes nothing and raises ``NonFiniteInputError``; ``report``
-    as in ``fused_weight_update``) as its own kernel. With
+    and ``grad_scale``, a number or a device tensor, as in ``fused_weight_update``) as
+    its own kernel. With
     ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
     check_report(report)
     check_gradient(grad, weight)

@@ -9,7 +9,7 @@ column part of the tile at a time, each part's weight and state in one of two sl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .fused_weight_update import _device_scalars
+from .fused_weight_update import _device_grad_scale, _device_scalars
 from .hopper_common import (_GRADIENT_LAYOUT, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
                             _partition_barrier, _ring, _staging_slots, _token_loop)
 
@@ -80,10 +80,11 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
 @gluon.jit
 def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bufs, ready, free,
               w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, acc_smem, T, N, K, row0, col0, global_k,
-              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
               RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
-              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, C: gl.constexpr):
+              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr,
+              C: gl.constexpr):
     """One warpgroup: every other tile of this program, its token loop on wgmma, then the
     portable epilogue's arithmetic on it, part by part, while the other warpgroup runs its
     own tile. A tile of one part converts its accumulator to the epilogue layout in
@@ -103,6 +104,8 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
     programs = gl.num_programs(0)
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
+    if DEVICE_GRAD_SCALE:
+        grad_scale = _device_grad_scale(grad_scale_ptr)
     # The input check's verdict (launched before, on the same stream): no tile stores when it counted anything.
     inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
     counter = 0
@@ -157,11 +160,11 @@ def _consumer_buffers(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, HAS_S0
 @gluon.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def pingpong_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr,
                     flag_ptr, status_ptr, T, N, K, row0, col0, global_k, grad_scale,
-                    h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                    h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
                     RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                     HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                     STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
-                    NUM_STAGES: gl.constexpr):
+                    DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Persistent: two consumer warpgroups (the default partition is consumer 0) take
     alternate tiles of this program's share, each fed by its own TMA warp. The weight and
     state descriptors' blocks are one column part of a tile (``epilogue_split``)."""
@@ -172,12 +175,14 @@ def pingpong_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s
     gl.warp_specialize([
         (_consumer, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs0, x_bufs0, ready0, free0,
                      w_smem0, s0_smem0, s1_smem0, s2_smem0, epi_ready0, epi_free0, acc_smem0, T, N, K, row0, col0,
-                     global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, RULE,
-                     VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS, 0)),
+                     global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                     grad_scale_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
+                     DEVICE_SCALARS, DEVICE_GRAD_SCALE, 0)),
         (_consumer, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs1, x_bufs1, ready1, free1,
                      w_smem1, s0_smem1, s1_smem1, s2_smem1, epi_ready1, epi_free1, acc_smem1, T, N, K, row0, col0,
-                     global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, RULE,
-                     VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS, 1)),
+                     global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                     grad_scale_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
+                     DEVICE_SCALARS, DEVICE_GRAD_SCALE, 1)),
         (_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs0, x_bufs0, ready0, free0,
                    w_smem0, s0_smem0, s1_smem0, s2_smem0, epi_ready0, epi_free0, T, N, K, HAS_S0, HAS_S1, HAS_S2, 0)),
         (_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs1, x_bufs1, ready1, free1,

@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .fused_weight_update import _device_scalars
+from .fused_weight_update import _device_grad_scale, _device_scalars
 from .hopper_common import (_GRADIENT_LAYOUT, _barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
                             _partition_barrier, _ring, _staging_slots, _token_loop)
 
@@ -143,10 +143,10 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
 @gluon.jit
 def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
               w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
-              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
               RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
-              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr):
+              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr):
     """The epilogue warps (the default partition): each tile's gradient from its slot, part
     by part, with the part's weight and state from its staging slot, through the rule,
     the rounding and the verdict, while the matrix warpgroups compute the next tiles."""
@@ -162,6 +162,8 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
+    if DEVICE_GRAD_SCALE:
+        grad_scale = _device_grad_scale(grad_scale_ptr)
     # The input check's verdict (launched before, on the same stream): no tile stores when it counted anything.
     inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
     visit = 0
@@ -189,11 +191,11 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
 @gluon.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr,
                  flag_ptr, status_ptr, T, N, K, row0, col0, global_k, grad_scale,
-                 h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                 h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
                  RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr):
+                 DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr):
     """Persistent, one program per multiprocessor: the matrix warpgroups compute this
     program's gradient tiles one after another into the gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
@@ -211,8 +213,9 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
     gl.warp_specialize([
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
                      w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
-                     grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, RULE, VARIANT,
-                     HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS)),
+                     grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
+                     RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS,
+                     DEVICE_GRAD_SCALE)),
         (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,

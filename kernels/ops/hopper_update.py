@@ -107,10 +107,11 @@ def launch(epilogue, x, dy, weight):
         return kernel_for(config)[grid](
             *descriptors(config, x, dy, weight, epilogue.slot_tensors), weight, *epilogue.slot_tensors,
             epilogue.flags, epilogue.status, T, N, K, *epilogue.place,
-            epilogue.grad_scale, *epilogue.scalars, epilogue.seed, *epilogue.device_scalars,
+            epilogue.grad_scale, *epilogue.scalars, epilogue.seed, *epilogue.device_scalars, epilogue.grad_scale_ptr,
             RULE=args["RULE"], VARIANT=args["VARIANT"], HAS_S0=args["HAS_S0"], HAS_S1=args["HAS_S1"],
             HAS_S2=args["HAS_S2"], W_BF16=args["W_BF16"], S_BF16=args["S_BF16"], STOCHASTIC=args["STOCHASTIC"],
-            ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"], NUM_STAGES=config.num_stages,
+            ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"],
+            DEVICE_GRAD_SCALE=args["DEVICE_GRAD_SCALE"], NUM_STAGES=config.num_stages,
             **structure_constants(config), num_warps=config.num_warps, enable_fp_fusion=False)
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
         raise ValueError(f"{config} stages its token blocks, weight and state parts ({config.staging_slots} "

@@ -122,9 +122,18 @@ def check_gradient(grad, weight):
         raise ValueError(f"grad is on {grad.device} but weight on {weight.device}")
 
 
-def check_grad_scale(grad_scale) -> float:
-    """A gradient scale: finite, >= 0, and a float32 value (the kernel multiplies in
-    float32; a value that rounded on the way in would not be the multiply the caller meant)."""
+def check_grad_scale(grad_scale, weight):
+    """A gradient scale: a number that is finite, >= 0 and a float32 value (the kernel
+    multiplies in float32; a value that rounded on the way in would not be the multiply
+    the caller meant), or a one-element float32 tensor on the weight's device, which the
+    kernel reads there (its value is not looked at here: that would synchronize)."""
+    if isinstance(grad_scale, torch.Tensor):
+        if grad_scale.dtype != torch.float32 or grad_scale.numel() != 1:
+            raise ValueError(f"a grad_scale tensor must hold one float32 value, got {grad_scale.dtype} of shape "
+                             f"{tuple(grad_scale.shape)}")
+        if grad_scale.device != weight.device:
+            raise ValueError(f"grad_scale is on {grad_scale.device}, the weight on {weight.device}")
+        return grad_scale
     grad_scale = check_real("grad_scale", grad_scale, low=0.0)
     if float(np.float32(grad_scale)) != grad_scale:
         raise ValueError(f"grad_scale={grad_scale!r} is not a float32 value; round it to float32 first "
