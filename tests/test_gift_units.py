@@ -29,6 +29,20 @@ def test_covariance_tracker_is_the_windows_mean_of_x_transpose_x():
     assert tracker.rows(layer) == 0
 
 
+def test_covariance_tracker_sums_in_fp32_under_autocast():
+    """A forward under bf16 autocast (as mixed-precision training runs it) records the fp32
+    product of its fp32 input, not autocast's bf16 one."""
+    layer = nn.Linear(64, 8)
+    tracker = fk.gift.CovarianceTracker([layer])
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+        layer(x)
+    total, rows = tracker.window(layer)
+    assert total.dtype == torch.float32 and rows == 64
+    assert torch.equal(total, x.T @ x + x.T @ x)
+
+
 def test_round_trip_knows_its_formats():
     assert sorted(fk.gift.FORMATS) == ["e4m3", "e5m2", "nvfp4"]
     with pytest.raises(ValueError):

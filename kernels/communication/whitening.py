@@ -171,12 +171,15 @@ class CovarianceTracker:
         if not torch.is_grad_enabled():
             return
         x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float32)
+        # Under autocast the product would be taken, and the window summed, in bf16 or fp16.
+        with torch.autocast(x.device.type, enabled=False):
+            product = x.T @ x
         key = id(module)
         if key in self._sums:
-            self._sums[key] += x.T @ x
+            self._sums[key] += product
             self._counts[key] += x.shape[0]
         else:
-            self._sums[key] = x.T @ x
+            self._sums[key] = product
             self._counts[key] = x.shape[0]
 
     def rows(self, layer) -> int:
