@@ -6,8 +6,8 @@ The block: ``x + down(silu(gate(norm(x))) * up(norm(x)))`` with Llama-3-8B's sha
 (hidden 4096, MLP 14336, RMSNorm, no biases), batch 1 x T tokens, loss the mean square
 of the output. ``gate`` and ``up`` are column-parallel and ``down`` row-parallel
 (PyTorch's ``ColwiseParallel``/``RowwiseParallel`` on a 1-D mesh of ``--world`` ranks,
-the tokens replicated), so each rank holds a third of each weight's rows or columns and
-the block's output is all-reduced. The same layout serves both methods:
+the tokens replicated), so each rank holds 1/W of each weight's rows or columns and the
+block's output is all-reduced. The same layout serves both methods:
 
 * ``torch``: autograd's weight gradients, then ``AdamW(fused=True)`` on every parameter;
 * ``forge`` / ``forge deferred``: the three weights fused (``fk.fuse`` on the DTensor
@@ -17,7 +17,7 @@ the block's output is all-reduced. The same layout serves both methods:
 
 Variants as in ``bench_model.py``: ``bf16`` (bf16 weights; FORGE keeps bf16 state with
 stochastic rounding, torch bf16 state) and ``fp32-master`` (fp32 weights under bf16
-autocast on a GPU; fp32 state). The fused layers take the tuned config of their regime
+autocast; fp32 state). The fused layers take the tuned config of their regime
 and token count (``tuned_configs.json``) on a GPU, ``fk.PINNED`` on the CPU.
 
 Each rank times its own steps (CUDA events, or ``perf_counter`` on the CPU) after
@@ -40,6 +40,7 @@ check the script (``tests/test_bench_tensor_parallel_smoke.py``).
 
 import argparse
 import csv
+import gc
 import json
 import os
 import statistics
@@ -126,7 +127,7 @@ def _step_fn(variant, method, tokens, hidden, mlp, configs, device):
     dtype = next(block.parameters()).dtype
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, hidden, generator=gen).to(device, dtype)
-    autocast = variant == "fp32-master" and device.type == "cuda"
+    autocast = variant == "fp32-master"  # on the CPU too, so that --smoke runs the autocast path
 
     def step():
         for optimizer in optimizers:
@@ -149,7 +150,14 @@ def measure_on_rank(variant, method, tokens, hidden, mlp, configs, warmup, steps
     device = _device()
     block, step = _step_fn(variant, method, tokens, hidden, mlp, configs, device)
     times, peak = _timed(step, device, warmup, steps)
-    return times, peak, [int(layer.forge_step) for layer in fk.fused_layers(block)]
+    counts = [int(layer.forge_step) for layer in fk.fused_layers(block)]
+    # The ranks outlive the row: a fused layer and its weight's hook refer to each other, so
+    # without a collection this row's weights and state would count in the next row's peak.
+    del block, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times, peak, counts
 
 
 def _timed(step, device, warmup, steps):

@@ -2,6 +2,7 @@
 otherwise this checkout's ``kernels/`` loaded under that name (the lent GPU machine has
 its own torch and Triton and nothing installed from this project)."""
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -30,3 +31,14 @@ def parse_config(text: str) -> tuple:
     values = [v.strip().strip("'\"") for v in text.strip().strip("()").split(",")]
     words = ("hopper", "portable", "rows", "columns")
     return tuple(None if v == "None" else v if v in words else int(v) for v in values)
+
+
+def config_tuple(config) -> tuple:
+    """``config``'s fields in order, without the trailing ones at their defaults: a tree
+    whose ``TileConfig`` predates a field takes the tuple (``TileConfig(*fields)``) and
+    means the same by it."""
+    values = dataclasses.astuple(config)
+    defaults = [field.default for field in dataclasses.fields(config)]
+    while values and values[-1] == defaults[len(values) - 1]:
+        values = values[:-1]
+    return values

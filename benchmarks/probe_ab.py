@@ -11,7 +11,6 @@ in this tree alone.
 """
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
-from checkout import parse_config  # noqa: E402
+from checkout import config_tuple, parse_config  # noqa: E402
 
 fk = bu.fk
 
@@ -74,7 +73,7 @@ def main():
                 if args.configs:
                     candidates = [parse_config(c) for c in args.configs.split(";")]
                 else:
-                    candidates = [dataclasses.astuple(bu.tuned_config(configs_file, regime, t))]
+                    candidates = [config_tuple(bu.tuned_config(configs_file, regime, t))]
                 for candidate in candidates:
                     config = fk.TileConfig(*candidate)
                     bu.check_fused_equals_oracle(n, k, 512, regime, config)

@@ -12,13 +12,13 @@ a copy with fewer Philox rounds). A diagnostic, not the benchmark table (that is
 import argparse
 import json
 import sys
-from dataclasses import astuple
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from checkout import config_tuple  # noqa: E402
 from probe_ab import load_tree  # noqa: E402
 
 fk = bu.fk
@@ -49,7 +49,7 @@ def main():
     configs = json.loads(bu.CONFIGS_FILE.read_text())
     for regime, rounding in CASES:
         for t in (int(v) for v in args.tokens.split(",")):
-            config = astuple(bu.tuned_config(configs, regime, t))  # a tuple: other trees build their own
+            config = config_tuple(bu.tuned_config(configs, regime, t))  # a tuple: other trees build their own
             layer = bu.Layer(n, k, max(t, 1), regime)
             if t == 0:  # the epilogue alone: the token loop runs no iteration
                 layer.x, layer.dy = layer.x[:0], layer.dy[:0]

@@ -24,7 +24,6 @@ Results: benchmarks/README.md, "A Hopper form in Gluon".
 """
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkout import forge_kernels  # noqa: E402
+from checkout import config_tuple, forge_kernels  # noqa: E402
 
 fk = forge_kernels()
 from forge_kernels.ops.finite_check import STATUS_WORDS, is_finite  # noqa: E402
@@ -213,7 +212,7 @@ def main():
         for regime in args.regimes.split(","):
             for t in (int(v) for v in args.tokens.split(",")):
                 layer = bu.Layer(n, k, t, regime)
-                tuned_config = dataclasses.astuple(bu.tuned_config(tuned, regime, t))
+                tuned_config = config_tuple(bu.tuned_config(tuned, regime, t))
                 floor = bu.floor_ms(n, k, t, regime, bandwidth, matrix_rate)
                 rows = []
                 found = bu.methods(layer, regime, fk.TileConfig(*tuned_config))

@@ -43,6 +43,19 @@ def test_covariance_tracker_sums_in_fp32_under_autocast():
     assert torch.equal(total, x.T @ x + x.T @ x)
 
 
+def test_the_transform_runs_in_fp32_under_autocast():
+    """GIFT's transform and its inverse give the same bits inside bf16 autocast as outside
+    (a backward called inside autocast runs them there)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 32, generator=g)
+    T = fk.gift.Whitening.from_covariance(x.T @ x / 256, 8)
+    G = torch.randn(16, 32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = T.apply(G), T.invert(G)
+    assert inside[0].dtype == torch.float32
+    assert torch.equal(inside[0], T.apply(G)) and torch.equal(inside[1], T.invert(G))
+
+
 def test_round_trip_knows_its_formats():
     assert sorted(fk.gift.FORMATS) == ["e4m3", "e5m2", "nvfp4"]
     with pytest.raises(ValueError):

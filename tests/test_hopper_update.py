@@ -43,6 +43,7 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]
+ONE_SLOT, THREE_SLOTS = CONFIGS[11], CONFIGS[12]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -196,14 +197,15 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS, ONE_SLOT, THREE_SLOTS], ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime, rule_name", [("fp32", "adamw"), ("bf16-sr", "adamw")])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col_start, launches):
     """2048 x 5120 is 1,280 tiles of 64 x 128 and 640 of 128 x 128, about ten or five per
     program on a 132-multiprocessor GPU: each of the split kernel's gradient slots (two,
-    or the 128 x 128 tile's one) and two staging slots is refilled several times, so every
-    mbarrier of the matrix-to-epilogue hand-off goes through both parities more than once."""
+    or the 128 x 128 tile's one) and its staging slots (one to three) is refilled several
+    times, across tiles too, so every mbarrier of the hand-offs goes through both parities
+    more than once."""
     where = fk.WeightSlice(64, col_start, (2176, 5200))
     _assert_portable_bits_in_a_slice(config, regime, rule_name, (96, 2048, 5120), where, (6, 13), launches)
 

@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 
 from .hook import GiftState
-from .whitening import Whitening, agreed_whitening
+from .whitening import Whitening, agreed_whitening, full_precision
 
 
 class GiftSplitReducer:
@@ -51,7 +51,8 @@ class GiftSplitReducer:
         every rank; residuals re-based into it."""
         xs = [x.reshape(-1, x.shape[-1]).to(torch.float32) for x, _ in parts]
         rows = sum(x.shape[0] for x in xs)
-        A = sum(x.T @ x for x in xs) / rows if rows else None
+        with full_precision(xs[0].device.type):
+            A = sum(x.T @ x for x in xs) / rows if rows else None
         new, sent = agreed_whitening(A, xs[0].shape[-1], self.state.rank, self.state.damping, self.group)
         self.state.wire_bytes["refresh"] += sent
         if new is None:

@@ -21,6 +21,7 @@ the others (kfac-pytorch's pattern); ``digest`` hashes them for checking;
 the group's first rank, broadcast).
 """
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -28,6 +29,15 @@ import torch
 import torch.distributed as dist
 
 from .._collectives import wire_device
+
+
+def full_precision(device_type: str):
+    """A context in which matrix products run in their operands' precision: autocast, which
+    the training step may have entered (and which carries into a backward called inside
+    it), would take them in bf16 or fp16."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -94,7 +104,8 @@ class Whitening:
         G = G.to(torch.float32)
         out = G * a
         if self.rank:
-            out = out + ((G @ self.U) * d) @ self.U.T
+            with full_precision(G.device.type):
+                out = out + ((G @ self.U) * d) @ self.U.T
         return out
 
     def apply(self, G: torch.Tensor) -> torch.Tensor:
@@ -171,8 +182,7 @@ class CovarianceTracker:
         if not torch.is_grad_enabled():
             return
         x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float32)
-        # Under autocast the product would be taken, and the window summed, in bf16 or fp16.
-        with torch.autocast(x.device.type, enabled=False):
+        with full_precision(x.device.type):  # else the window would be summed in bf16 under autocast
             product = x.T @ x
         key = id(module)
         if key in self._sums:

@@ -414,8 +414,8 @@ class _Epilogue:
         _apply_rule_kernel[self.grid](grad, weight, *self.slot_tensors, *self.exponent_tensors, self.flags,
                                       self.status, N, K, self.blocks_per_row, *self.place,
                                       self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
-                                      self.grad_scale_ptr, **self.rule_args, BLOCK_N=self.config.block_n, BLOCK_K=self.config.block_k,
-                                      SPLIT=self.config.epilogue_split, ROWS=self.config.epilogue_axis == "rows",
+                                      self.grad_scale_ptr, **self.rule_args, BLOCK_N=self.config.block_n,
+                                      BLOCK_K=self.config.block_k, SPLIT=self.config.epilogue_split, ROWS=self.config.epilogue_axis == "rows",
                                       **self.config.launch_options())
 
     def check_fused(self, x, dy, weight):
@@ -488,7 +488,8 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     there, or a loss scaler's inverse scale), which the kernel reads itself: nothing is
     synchronized, and a captured call reads it at every replay. Its value is not checked
     on the host; a negative, infinite or NaN device scale makes every part's gradient
-    non-finite, so nothing is stored and the report names every tile.
+    non-finite, so nothing is stored and the report names every tile (a clip coefficient
+    of an infinite norm is 0, a valid scale: make it NaN to store nothing).
 
     Non-finite values: a kernel launched just before the update counts NaN/inf in x
     and dy on the device; if there are any, the update writes nothing and the call

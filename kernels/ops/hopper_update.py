@@ -114,10 +114,11 @@ def launch(epilogue, x, dy, weight):
             DEVICE_GRAD_SCALE=args["DEVICE_GRAD_SCALE"], NUM_STAGES=config.num_stages,
             **structure_constants(config), num_warps=config.num_warps, enable_fp_fusion=False)
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
-        raise ValueError(f"{config} stages its token blocks, weight and state parts ({config.staging_slots} "
-                         f"slots in the split kernel) and its gradient tiles (two slots in the split kernel, one "
-                         f"of a 128 x 128 tile; one per consumer for a tile of several parts in the ping-pong "
-                         f"kernel) in shared memory, and with "
+        staged = (f"{config.staging_slots} slots" if kernel_for(config) is split_kernel
+                  else "one slot per consumer, two for a tile of several parts")
+        raise ValueError(f"{config} stages its token blocks, weight and state parts ({staged}) and its gradient "
+                         f"tiles (two slots in the split kernel, one of a 128 x 128 tile; one per consumer for a "
+                         f"tile of several parts in the ping-pong kernel) in shared memory, and with "
                          f"{len([t for t in epilogue.slot_tensors if t is not weight])} state slots of "
                          f"{epilogue.state_format} beside a {weight.dtype} weight they do not fit ({error}); use "
                          "a narrower tile or part, shorter token blocks, fewer stages or fewer epilogue_stages") from error

@@ -128,6 +128,8 @@ def check_grad_scale(grad_scale, weight):
     the caller meant), or a one-element float32 tensor on the weight's device, which the
     kernel reads there (its value is not looked at here: that would synchronize)."""
     if isinstance(grad_scale, torch.Tensor):
+        if type(grad_scale) is not torch.Tensor:  # a DTensor, say: the kernel reads a plain tensor's memory
+            raise TypeError(f"a grad_scale tensor must be a plain torch.Tensor, got {type(grad_scale).__name__}")
         if grad_scale.dtype != torch.float32 or grad_scale.numel() != 1:
             raise ValueError(f"a grad_scale tensor must hold one float32 value, got {grad_scale.dtype} of shape "
                              f"{tuple(grad_scale.shape)}")
