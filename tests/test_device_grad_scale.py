@@ -103,3 +103,17 @@ def test_a_malformed_device_scale_is_refused_before_anything_is_written(device, 
     with pytest.raises(ValueError, match=message):
         _step("fused", x, dy, w, state, rule, 1, grad_scale=make(device))
     _assert_same((w, state), before, "refused")
+
+
+class _TensorSubclass(torch.Tensor):
+    """A stand-in for a DTensor or any tensor wrapper: its memory is not a plain tensor's."""
+
+
+def test_a_tensor_subclass_as_the_scale_is_refused(device):
+    rule = fk.AdamW(lr=1e-2)
+    x, dy, w, state = _problem(device, torch.float32, "fp32", rule)
+    before = _copies(w, state)
+    with pytest.raises(TypeError, match="must be a plain torch.Tensor, got _TensorSubclass"):
+        _step("fused", x, dy, w, state, rule, 1, grad_scale=torch.tensor([0.5], device=device).as_subclass(
+            _TensorSubclass))
+    _assert_same((w, state), before, "refused")
