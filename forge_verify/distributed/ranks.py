@@ -19,6 +19,7 @@ import datetime
 import io
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -86,6 +87,14 @@ def _rank_main(rank, world_size, store_path, backend, collective_timeout_s, star
         except BaseException:
             results.put((rank, job_id, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # Every answer is in the parent's hands (it asked this rank to stop after reading them);
+    # leave without the interpreter's teardown of torch and Triton, which took 1.8 of a gloo
+    # pool's 1.9 s shutdown on the CPU machine (0.08 s without it).
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankPool:
