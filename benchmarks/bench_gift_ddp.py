@@ -188,28 +188,25 @@ class FusedDataParallel:
     divided by the world size, then the layer's rule, at the layer's step and rounding seed."""
 
     def __init__(self, layers, reducers: dict, gift_layers, group, refresh_every: int, bucket_rows):
-        self.reducers, self.gift_layers, self.group = reducers, set(gift_layers), group
+        self.layers, self.reducers, self.gift_layers, self.group = list(layers), reducers, set(gift_layers), group
         self.refresh_every, self.bucket_rows = refresh_every, bucket_rows
         self.world = dist.get_world_size(group)
-        # Host copies, read once: reading the buffers at every step would synchronize.
-        self.steps = {layer: int(layer.forge_step) for layer in layers}
-        self.seeds = {layer: int(layer.forge_seed) for layer in layers}
-        for layer in layers:
+        for layer in self.layers:
             layer.forge_backward = self.step_layer
 
     def step_layer(self, layer, x2d, dy2d):
-        step = self.steps[layer] + 1
+        # The layer's own counters (host copies: no synchronization) and bookkeeping, as its
+        # own step keeps them.
+        step, seed = layer._counters()
+        step += 1
         parts = [(x2d, dy2d)]
         if layer in self.gift_layers and (step - 1) % self.refresh_every == 0:
             self.reducers[layer].refresh(parts)
         materialized_split_step(parts, layer.weight.data, layer.forge_state, layer.rule, step, group=self.group,
                                 bucket_rows=self.bucket_rows, config=layer.config, rounding=layer.rounding,
-                                seed=self.seeds[layer], reduce=self.mean_reduce(self.reducers.get(layer)))
-        # The kernels write the weight's memory directly, as in ForgeLinear's own step: a graph
-        # that saved the old values must see that they changed.
-        torch.autograd.graph.increment_version(layer.weight)
-        layer.forge_step.fill_(step)
-        self.steps[layer] = step
+                                seed=seed, reduce=self.mean_reduce(self.reducers.get(layer)))
+        layer._bump_versions(layer.weight.data)
+        layer._set_step(step)
 
     def mean_reduce(self, reducer):
         """``reduce=`` for materialized_split_step: its sum over the ranks, divided by the
@@ -224,7 +221,7 @@ class FusedDataParallel:
         return mean
 
     def close(self):
-        for layer in self.steps:
+        for layer in self.layers:
             layer.forge_backward = None
 
 

@@ -50,6 +50,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -83,13 +84,11 @@ class MLPBlock(nn.Module):
 
 def _device():
     """Rank r's GPU under NCCL; the CPU under gloo (also on a machine with GPUs: --smoke)."""
-    import torch.distributed as dist
     return torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _parallel_block(variant, hidden, mlp, device):
     """The block on this rank: the same seeded weights everywhere, then sharded."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -88,8 +88,8 @@ def _rank_main(rank, world_size, store_path, backend, collective_timeout_s, star
             results.put((rank, job_id, False, traceback.format_exc()))
     dist.destroy_process_group()
     # Every answer is in the parent's hands (it asked this rank to stop after reading them);
-    # leave without the interpreter's teardown of torch and Triton, which took 1.8 of a gloo
-    # pool's 1.9 s shutdown on the CPU machine (0.08 s without it).
+    # leave without the interpreter's teardown of torch and Triton, which was most of a
+    # pool's shutdown (tests/test_distributed_harness.py::test_stopped_ranks_leave_at_once).
     results.close()
     results.join_thread()
     sys.stdout.flush()

@@ -415,8 +415,8 @@ class _Epilogue:
                                       self.status, N, K, self.blocks_per_row, *self.place,
                                       self.grad_scale, *self.scalars, self.seed, *self.device_scalars,
                                       self.grad_scale_ptr, **self.rule_args, BLOCK_N=self.config.block_n,
-                                      BLOCK_K=self.config.block_k, SPLIT=self.config.epilogue_split, ROWS=self.config.epilogue_axis == "rows",
-                                      **self.config.launch_options())
+                                      BLOCK_K=self.config.block_k, SPLIT=self.config.epilogue_split,
+                                      ROWS=self.config.epilogue_axis == "rows", **self.config.launch_options())
 
     def check_fused(self, x, dy, weight):
         """Refuse, before anything is launched, a fused call its config's kernel cannot run."""

@@ -121,4 +121,5 @@ def launch(epilogue, x, dy, weight):
                          f"tile of several parts in the ping-pong kernel) in shared memory, and with "
                          f"{len([t for t in epilogue.slot_tensors if t is not weight])} state slots of "
                          f"{epilogue.state_format} beside a {weight.dtype} weight they do not fit ({error}); use "
-                         "a narrower tile or part, shorter token blocks, fewer stages or fewer epilogue_stages") from error
+                         "a narrower tile or part, shorter token blocks, fewer stages or fewer epilogue_stages"
+                         ) from error
