@@ -7,7 +7,7 @@
 
 Arguments: regime (fp32, bf16-sr, q8), rounding (stochastic, nearest, none), tokens (0
 runs the epilogue alone), and optionally a config as the sweeps print it (default: the
-tuned config for the token count). 4096 x 4096.
+tuned config for the token count), and a shape as ``OUTxIN`` (default 4096x4096).
 
     ncu ... --kernel-name regex:'pingpong_kernel|split_kernel' ... python3 benchmarks/profile_case.py \
         fp32 none 1024 "64,128,32,4,2,None,4,hopper"
@@ -29,11 +29,12 @@ from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
 def main():
     regime, rounding, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounding = None if rounding == "none" else rounding
-    if len(sys.argv) > 4:
+    if len(sys.argv) > 4 and sys.argv[4] != "tuned":
         config = bu.fk.TileConfig(*parse_config(sys.argv[4]))
     else:
         config = bu.tuned_config(json.loads(bu.CONFIGS_FILE.read_text()), regime, tokens)
-    layer = bu.Layer(4096, 4096, max(tokens, 1), regime)
+    out_features, in_features = map(int, (sys.argv[5] if len(sys.argv) > 5 else "4096x4096").split("x"))
+    layer = bu.Layer(out_features, in_features, max(tokens, 1), regime)
     if tokens == 0:
         layer.x, layer.dy = layer.x[:0], layer.dy[:0]
     r = bu.fk.AdamW(lr=1e-3, weight_decay=0.01)

@@ -212,6 +212,42 @@ def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [SPLIT, ROWS, THREE_SLOTS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("regime", ["fp32", "bf16-sr"])
+def test_split_kernel_order_with_a_partial_band(config, regime, launches):
+    """The split kernel's programs take tiles down bands of eight tile rows: 1,304 rows are
+    21 tile rows of 64 (bands of 8, 8 and 5) or 11 of 128 (8 and 3), the last tile 24
+    rows, over 2 tile columns, so the last band's shorter column order and its ragged tile
+    are reached, with more tiles than programs for the 64-row tile."""
+    where = fk.WeightSlice(0, 0, (1304, 200))
+    _assert_portable_bits_in_a_slice(config, regime, "adamw", (80, 1304, 200), where, (7, 17), launches)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [SPLIT, ROWS], ids=lambda c: _name(c))
+def test_skipped_tiles_are_named_by_their_place_not_their_turn(config):
+    """A tile of the first tile row and second tile column overflows: in the split kernel's
+    band order it is taken after the first column's tiles, in row-major order (which names
+    the portable kernel's verdict flags) it comes second. Both kernels skip and name the
+    same parts."""
+    rule = fk.SGD(lr=1.0)
+    x, dy, w = _inputs(64, 192, 256, torch.float32)
+    x[:, 160:192] = 2.0**60
+    dy[:, 0:64] = 2.0**80
+    found = []
+    for kernel_config in (config, _portable(config)):
+        w_k, state = w.clone(), rule.init_state(w)
+        with pytest.raises(fk.NonFiniteUpdateError) as raised:
+            fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
+        found.append((raised.value.tiles, w_k))
+    assert found[0][0] == found[1][0]
+    assert found[0][0] and all(r0 < 64 and c0 < 192 and c1 > 160 for r0, _, c0, c1 in found[0][0])
+    assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS[1:4] + [fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=2, kernel="hopper"),
                                                   fk.TileConfig(64, 64, 128, 8, 4, kernel="hopper"), WIDE],
                          ids=lambda c: _name(c))

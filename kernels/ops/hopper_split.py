@@ -65,6 +65,35 @@ def _part(grad, row: gl.constexpr, col: gl.constexpr, PART_N: gl.constexpr, PART
     return part
 
 
+# The programs take tiles down bands of this many tile rows before across (a band's first
+# column of tiles, then its next): the 132 tiles in flight at once then read the dy blocks
+# of eight tile rows and the x blocks of some seventeen tile columns, which stay in L2,
+# where row-major order had every tile column's x block in flight, evicted by the
+# streaming weight and state and read from DRAM again at each tile row (Nsight Compute on
+# 4096 x 14336 at 1,024 tokens: 1.45x the bytes the step needs). Measured 1.05-1.18x
+# faster there at 512-2,048 tokens, 1.06-1.10x on 8192 x 8192 at 1,024-2,048, 0.99-1.03x
+# on 4096 x 4096 and 14336 x 4096 below 2,048 (bands of 4 and 16 within 3 % of 8;
+# results/tuning/h200-tile-bands.log). The ping-pong kernel keeps row-major
+# order: the bands were 2-5 % slower for its 256-token tile. No bit moves with the order:
+# each tile's sum and epilogue are its own.
+_TILE_BAND: gl.constexpr = gl.constexpr(8)
+
+
+@gluon.jit
+def _tile_at(tile, N, K, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The ``tile``-th tile of the band order: its first row and column, and its row-major
+    index (which names its verdict flags, as the portable kernel's tile index does)."""
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    tiles_k = gl.cdiv(K, BLOCK_K)
+    band = tile // (_TILE_BAND * tiles_k)
+    first = band * _TILE_BAND
+    rows = gl.minimum(tiles_n - first, _TILE_BAND)
+    within = tile - band * _TILE_BAND * tiles_k
+    row = first + within % rows
+    col = within // rows
+    return row * BLOCK_N, col * BLOCK_K, row * tiles_k + col
+
+
 @gluon.jit
 def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K):
     """The token loop's TMA warp: each tile's dy and x blocks into the ring, a stage once
@@ -77,8 +106,7 @@ def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K):
     num_t = gl.cdiv(T, BLOCK_T)
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_n = (tile // tiles_k) * BLOCK_N
-        off_k = (tile % tiles_k) * BLOCK_K
+        off_n, off_k, _ = _tile_at(tile, N, K, BLOCK_N, BLOCK_K)
         for i in range(num_t):
             _fill_stage(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, counter, i, off_n, off_k)
             counter += 1
@@ -98,8 +126,7 @@ def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s
     num_tiles = gl.cdiv(N, BLOCK_N) * tiles_k
     part = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_n = (tile // tiles_k) * BLOCK_N
-        off_k = (tile % tiles_k) * BLOCK_K
+        off_n, off_k, _ = _tile_at(tile, N, K, BLOCK_N, BLOCK_K)
         for j in gl.static_range(_parts(BLOCK_N, BLOCK_K, PART_N, PART_K)):
             _fill_slot(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
                        part % SLOTS, part // SLOTS, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
@@ -169,8 +196,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
     visit = 0
     part = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_n = (tile // tiles_k) * BLOCK_N
-        off_k = (tile % tiles_k) * BLOCK_K
+        off_n, off_k, tile_id = _tile_at(tile, N, K, BLOCK_N, BLOCK_K)
         gslot = visit % GSLOTS
         mbarrier.wait(grad_ready.index(gslot), (visit // GSLOTS) & 1)
         grad = grad_smem.index(gslot)
@@ -180,7 +206,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
             _epilogue_part(g.load(epi), w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem.index(slot),
                            s0_smem.index(slot), s1_smem.index(slot), s2_smem.index(slot), epi_ready.index(slot),
                            epi_free.index(slot), (part // SLOTS) & 1, grad_free.index(gslot), j == SPLIT - 1,
-                           inputs_ok, tile * SPLIT + j, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
+                           inputs_ok, tile_id * SPLIT + j, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
                            off_k + _part_col(j, BLOCK_K, PART_K), N, K, row0, col0, global_k, grad_scale,
                            h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16,
                            STOCHASTIC, ALIGNED)
