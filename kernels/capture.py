@@ -7,8 +7,8 @@ at fine-tuning batch sizes).
 ``step_fn`` runs forward and backward (and whatever optimizer steps the unfused
 parameters: a ``torch.optim`` optimizer made with ``capturable=True``, whose
 ``zero_grad(set_to_none=True)`` starts ``step_fn``, so that the captured backward
-writes fresh gradients rather than adding to the warm-up's) on static input tensors;
-each call of the ``CapturedStep`` is one training step:
+writes fresh gradients rather than adding to the warm-up's; or see ``optimizer=``
+below) on static input tensors; each call of the ``CapturedStep`` is one training step:
 
     static_x = torch.empty(batch, seq, dim, device="cuda")    # the inputs step_fn reads
 
@@ -44,16 +44,46 @@ an eager backward (its steps would be counted twice), ``fk.Trainer``, a second
 ``release()`` gives the layers back. ``state_dict()`` of a captured model checks the
 latest replay first.
 
+``optimizer=``: the torch optimizer of the unfused parameters (exactly
+``fk.unfused_parameters(model)``'s trainable ones), handed to the ``CapturedStep`` as to
+``fk.Trainer``; ``step_fn`` then only runs forward and backward, and the step, in the
+graph, sets the unfused gradients to None before ``step_fn`` and steps the optimizer
+after it (after the clip, with ``max_norm``). It must be one of torch's fused optimizers
+(``fused=True``; Adam and AdamW also ``capturable=True``): where a fused layer's step or
+the global norm is non-finite, the step skips it on the device through the ``found_inf``
+tensor torch's ``GradScaler`` uses for them (no synchronization), as ``fk.Trainer`` does
+not step it then. Its hyperparameters are fixed at capture unless they are tensors.
+
+``max_norm=`` with ``clipping="previous-norm"`` (named explicitly: it is APPROXIMATE)
+clips by global norm as ``fk.Trainer(..., max_norm, clipping="previous-norm")`` does,
+bitwise (``tests/test_captured_clipping.py``, on a GPU),
+with no synchronization in a replay. The first call, which has no previous
+norm, is that Trainer's first step: exact, eager, ``step_fn`` run twice (the first run
+only measures the fused layers' gradient norms; the torch RNG is rewound between the
+runs); then ``warmup`` eager steps of the captured kind, then the capture. Every later
+step, in the graph: the clip coefficient ``clip_coefficient(max_norm, last_norm)`` of the
+previous step's norm is computed on the device; each fused layer materializes its fp32
+gradient (``weight_gradient``), keeps its norm and steps from it with that coefficient as
+a device ``grad_scale``; then the global norm of this step (``total_norm``, the fused
+norms and the unfused ``.grad``), the unfused gradients multiplied by the coefficient,
+the optimizer's step, and ``last_norm`` (a device tensor, updated in place) set to the
+new norm where it and every fused step are finite. A non-finite norm leaves ``last_norm``
+as it was, skips the optimizer, and the check raises the Trainer's FloatingPointError
+(the fused layers have stepped, the torch optimizer has not), stopping the capture.
+``clipping="exact"`` is refused: it needs two forward/backward passes per step with the
+RNG rewound between them, and a ``CapturedStep`` records one pass of ``step_fn``.
+
 What a graph cannot change is refused or fixed at capture: the inputs' shapes and
 addresses (copy new data into the same tensors), the model's structure, the rule's
 hyperparameters other than through ``rule.lr`` and the like, which are read at each
-``set``. Not supported while captured: ``fk.Trainer`` (its clipping and accumulation
-run host code between layers), layers with ``report="raise"`` semantics inside the
-graph (every captured layer defers, and the call checks), and CPU execution (the Triton
-interpreter has no graphs: refused with an error).
+``set``. Not supported while captured: ``fk.Trainer`` (its accumulation runs host code
+between layers; for clipping, pass ``max_norm`` here), exact clipping, layers with
+``report="raise"`` semantics inside the graph (every captured layer defers, and the call
+checks), and CPU execution (the Triton interpreter has no graphs: refused with an error).
 """
 
-import contextlib
+import math
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -61,8 +91,11 @@ from torch.utils import _pytree as pytree
 from .errors import NonFiniteInputError
 from .linear import ForgeLinear
 from .tensor_parallel import is_dtensor
-from .ops.fused_weight_update import fused_weight_update
+from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.step_scalars import StepScalarsGroup
+from .training import (CLIPPING, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, check_max_norm,
+                       check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error,
+                       scale_unfused_gradients, total_norm, unfused_parameters)
 
 CHECKS = ("every step", "manual")
 
@@ -72,21 +105,59 @@ def _detached(value):
     return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
+def _check_clipping(max_norm, clipping):
+    check_max_norm(max_norm)
+    if clipping not in (None, *CLIPPING):
+        raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+    if clipping == "exact":
+        raise ValueError("clipping='exact' cannot be captured: it runs step_fn's forward and backward twice per step "
+                         "(the first pass only for the global norm) with the torch RNG rewound between them, and a "
+                         "CapturedStep records one pass of step_fn. Capture with clipping='previous-norm' "
+                         "(APPROXIMATE: step t scaled by step t-1's norm, one pass), or clip exactly uncaptured with "
+                         "fk.Trainer(model, optimizer, max_norm=...)")
+    if max_norm is not None and clipping is None:
+        raise ValueError("a captured step clips by the previous step's global norm, which is APPROXIMATE (a gradient "
+                         "spike passes unclipped on its step; see fk.Trainer's clipping='previous-norm'): pass "
+                         "clipping='previous-norm' to accept it, or train uncaptured with fk.Trainer for exact "
+                         "clipping")
+
+
+def _check_optimizer(model, optimizer, max_norm):
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(f"optimizer= must be one of torch's fused optimizers (fused=True; Adam and AdamW also "
+                             f"capturable=True), got {type(optimizer).__name__} without fused=True: the step skips "
+                             "it on the device when a fused step or the norm is non-finite, through the found_inf "
+                             "tensor that only fused optimizers read (as GradScaler does). Another capturable "
+                             "optimizer can be stepped inside step_fn, without max_norm")
+    if optimizer is not None or max_norm is not None:  # with max_norm the clip must come before the optimizer
+        check_unfused_optimizer(model, optimizer)
+
+
 class CapturedStep:
     """See the module docstring. ``model``'s fused layers must all be at one step and on
-    one CUDA device; each call takes the next step."""
+    one CUDA device; each call takes the next step. ``optimizer``: the torch optimizer of
+    the unfused parameters, stepped by the call (not by ``step_fn``); ``max_norm`` and
+    ``clipping="previous-norm"``: global-norm clipping as ``fk.Trainer``'s; ``last_norm``:
+    the latest finite global norm (a device tensor updated in place; None without
+    ``max_norm`` and before the first call)."""
 
-    def __init__(self, model: torch.nn.Module, step_fn, *, warmup: int = 1, check: str = "every step"):
+    def __init__(self, model: torch.nn.Module, step_fn, *, optimizer=None, max_norm=None, clipping=None,
+                 warmup: int = 1, check: str = "every step"):
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an integer >= 1 (eager steps before capture), got {warmup!r}")
+        _check_clipping(max_norm, clipping)
         layers = [m for m in model.modules() if isinstance(m, ForgeLinear)]
         if not layers:
             raise ValueError("CapturedStep needs a model with fused layers (fk.fuse); for a model without any, "
                              "capture its step with torch.cuda.graph directly")
+        _check_optimizer(model, optimizer, max_norm)
         for layer in layers:
             if layer.forge_backward is not None or layer.forge_owner is not None:
                 raise RuntimeError(f"fused layer {layer.forge_name!r} is driven by another training driver "
@@ -108,13 +179,21 @@ class CapturedStep:
         if len(steps) > 1:
             raise RuntimeError(f"the fused layers are at different steps {sorted(steps)}: a captured step advances "
                                "them together, so it needs them at one step (did some layer take no backward?)")
-        self.step_fn, self.check_mode, self.layers = step_fn, check, layers
+        self.model, self.step_fn, self.check_mode, self.layers = model, step_fn, check, layers
+        self.optimizer, self.max_norm = optimizer, max_norm
+        self.last_norm = None
         self.step = steps.pop()     # the step the latest call took
         self.graph = self.loss = None
         self._warmup_left = warmup
         self._checked = True        # whether the latest step's outcome has been read
         self._outcomes = {}         # layer -> UpdateReport of its latest launch
-        self._running = False       # inside this object's own run of step_fn
+        self._verdict = None        # the latest step's outcome words (and global norm), for check
+        # What the fused layers' backwards do, for the pass of step_fn under way (see _step_layer).
+        self._pass = None           # None (not this object's run), "step" or "measure"
+        self._seen = set()          # the layers that took a backward in this pass
+        self._norms = None          # id(weight) -> the fp32 gradient's norm, when norms are taken
+        self._inputs = None         # an _InputCheck of the gradients' operands, in a measuring pass
+        self._grad_scale = 1.0       # the fused steps' grad_scale: a number, or the device clip coefficient
         self._device = devices.pop()
         self._stream = torch.cuda.Stream(device=self._device)
         by_rule = {}
@@ -144,8 +223,9 @@ class CapturedStep:
         step = self.step + 1
         for group in self._groups:
             group.set(step)
-        if self._warmup_left:
-            returned = self._eager(step)
+        exact = self.max_norm is not None and self.last_norm is None  # no previous norm yet
+        if exact or self._warmup_left:
+            returned = self._eager(step, exact)
         else:
             if self.graph is None:
                 self._capture()
@@ -156,48 +236,124 @@ class CapturedStep:
             self.check()
         return returned
 
-    def _eager(self, step):
-        """A warm-up step. Whatever goes wrong in it (an error in ``step_fn``, a layer
-        stepped twice or not at all) releases the layers at the step each really took:
-        eager kernels have run for the layers that stepped."""
+    def _eager(self, step, exact):
+        """A warm-up step (or the exact first step of clipping). Whatever goes wrong in it
+        (an error in ``step_fn``, a layer stepped twice or not at all, a non-finite norm
+        before the exact step's stepping pass) releases the layers at the step each really
+        took: eager kernels have run for the layers that stepped."""
         self._outcomes.clear()
         current = torch.cuda.current_stream(self._device)
         self._stream.wait_stream(current)
         try:
-            with torch.cuda.stream(self._stream), self._own_run():
-                returned = self.step_fn()
+            with torch.cuda.stream(self._stream):
+                returned = self._exact_step(step) if exact else self._one_pass_step(step)
             current.wait_stream(self._stream)
-            self._require_every_layer_stepped(step)
         except BaseException:
             current.wait_stream(self._stream)
             self._settle(step)
             raise
-        self._warmup_left -= 1
+        if not exact:
+            self._warmup_left -= 1
         return returned
 
     def _capture(self):
-        """Record ``step_fn`` once. Recording runs no kernel, so whatever goes wrong here
-        leaves every layer at the step it was at."""
+        """Record one step. Recording runs no kernel, so whatever goes wrong here leaves
+        every layer at the step it was at."""
         self._outcomes.clear()
         self.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self._device)
         self._stream.wait_stream(current)
         try:
-            with torch.cuda.graph(self.graph, stream=self._stream), self._own_run():
+            with torch.cuda.graph(self.graph, stream=self._stream):
                 # Kept without its autograd graph: that graph's nodes hold the layers, the
                 # layers this object, and a cycle through C++ nodes is never collected.
-                self.loss = _detached(self.step_fn())
+                self.loss = _detached(self._one_pass_step(self.step + 1))
             current.wait_stream(self._stream)
-            self._require_every_layer_stepped(self.step + 1)
         except BaseException:
             self._stop(self.step)
             raise
 
-    def _require_every_layer_stepped(self, step):
-        missing = [layer.forge_name for layer in self.layers if layer not in self._outcomes]
+    def _one_pass_step(self, step):
+        """One step as the graph holds it (and a warm-up step runs it): ``step_fn`` once,
+        with previous-norm clipping around it if ``max_norm``; the optimizer's step last."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        coefficient = None
+        if self.max_norm is not None:
+            coefficient = clip_coefficient(self.max_norm, self.last_norm)  # the previous step's factor
+        self._norms = None if coefficient is None else {}
+        self._inputs, self._grad_scale = None, 1.0 if coefficient is None else coefficient
+        returned = self._run_step_fn("step", step)
+        norm = None
+        if coefficient is not None:
+            norm = total_norm(self.model.parameters(), self._norms)
+            scale_unfused_gradients(self.model, coefficient)
+        self._finish(norm)
+        return returned
+
+    def _exact_step(self, step):
+        """``fk.Trainer``'s first step with clipping, which has no previous norm: exact, in
+        two runs of ``step_fn`` (as ``Trainer._clipped_fused_step``), eager."""
+        rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._norms, self._inputs = {}, _InputCheck()
+        self._run_step_fn("measure", step)
+        norm, coefficient = clip_scale(self.model.parameters(), self.max_norm, self._norms, self._inputs)
+        unfused = [p for p in unfused_parameters(self.model) if p.grad is not None]
+        clipped = [p.grad.mul_(coefficient) for p in unfused]  # the multiply clip_grad_norm_ does
+        for p in unfused:
+            p.grad = None
+        torch.set_rng_state(rng)
+        torch.cuda.set_rng_state_all(cuda_rng)
+        self._norms, self._inputs, self._grad_scale = None, None, float(coefficient)
+        returned = self._run_step_fn("step", step)
+        for p, grad in zip(unfused, clipped):
+            p.grad = grad
+        self.last_norm = norm
+        self._finish(norm)
+        return returned
+
+    def _run_step_fn(self, kind, step):
+        """Run ``step_fn`` as a ``kind`` pass (see ``_step_layer``); every fused layer must
+        take its one backward in it."""
+        self._pass, self._seen = kind, set()
+        try:
+            returned = self.step_fn()
+        finally:
+            self._pass = None
+        missing = [layer.forge_name for layer in self.layers if layer not in self._seen]
         if missing:
             raise RuntimeError(f"fused layers {missing} took no backward in step {step}: a captured step must "
                                "step every fused layer of the model once; the layers are released")
+        return returned
+
+    def _finish(self, norm):
+        """After ``step_fn``: what ``check`` reads (every layer's status words, and the
+        global ``norm`` when clipping), then the optimizer's step, skipped on the device
+        where a fused step or the norm is non-finite (``fk.Trainer`` raises before stepping
+        it then); ``last_norm`` takes the norm where both are finite, as the Trainer's does."""
+        self._norms = None
+        statuses = torch.stack([self._outcomes[layer].status for layer in self.layers])
+        self._verdict = statuses
+        if norm is not None:  # one more row, in the same copy (the int32 counts are exact in float64)
+            self._verdict = torch.cat([statuses.double(), norm.double().expand(1, statuses.shape[1])])
+        if norm is None and self.optimizer is None:
+            return
+        bad = statuses.any()
+        if norm is not None:
+            bad = bad | ~torch.isfinite(norm)
+            self.last_norm.copy_(torch.where(bad, self.last_norm, norm))
+        if self.optimizer is None:
+            return
+        self.optimizer.found_inf = bad.float()  # read by torch's fused optimizers, as GradScaler sets it
+        try:
+            with warnings.catch_warnings():
+                # A warm-up step runs the capturable optimizer uncaptured, as capture needs.
+                warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
+                self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
 
     def _settle(self, step):
         """Release the layers after a warm-up ``step`` that failed part-way: a layer that
@@ -216,51 +372,69 @@ class CapturedStep:
                 errors[layer] = error
         self._stop(step, errors)
 
-    @contextlib.contextmanager
-    def _own_run(self):
-        self._running = True
-        try:
-            yield
-        finally:
-            self._running = False
-
     def _step_layer(self, layer, x2d, dy2d):
-        """A fused layer's step, eager (warm-up) or as the graph records it: its scalars
-        and rounding key read from the group's device buffer, its outcome kept for
-        ``check``, its ``forge_step`` advanced on the device. A backward outside this
-        object's own runs of ``step_fn`` is refused: it would step the layer a second time."""
-        if not self._running:
+        """A fused layer's backward in this object's run of ``step_fn``, eager (warm-up) or
+        as the graph records it. A ``"measure"`` pass (exact clipping's first) keeps the
+        norm of the layer's fp32 gradient and steps nothing; a ``"step"`` pass steps, its
+        scalars and rounding key read from the group's device buffer, its outcome kept
+        for ``check``, its ``forge_step`` advanced on the device: through the fused kernel,
+        or, where norms are taken (previous-norm clipping), from the materialized gradient
+        whose norm it keeps, as ``fk.Trainer`` does. A backward outside this object's own
+        runs of ``step_fn`` is refused: it would step the layer a second time."""
+        if self._pass is None:
             raise RuntimeError(f"fused layer {layer.forge_name!r} is captured by a CapturedStep: its steps are "
                                "the CapturedStep's calls. Call it, or its release(), not the model's backward")
-        if layer in self._outcomes:
+        if layer in self._seen:
             raise RuntimeError(f"fused layer {layer.forge_name!r} took a second backward in one step of a "
                                "CapturedStep: a fused weight takes one step per backward, so step_fn must run one "
                                "backward through each fused layer (no gradient accumulation)")
+        self._seen.add(layer)
         with torch.no_grad():
-            self._outcomes[layer] = fused_weight_update(
-                x2d, dy2d, layer.weight.data, layer.forge_state, layer.rule, self._scalars[layer],
-                oracle=layer.oracle, config=layer.config, rounding=layer.rounding, seed=self._scalars[layer].seed,
-                weight_slice=layer.weight_slice, report="defer")
+            grad = None
+            if self._norms is not None:
+                grad = _layer_gradient(layer, x2d, dy2d, self._inputs)
+                self._norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
+                if self._pass == "measure":
+                    return
+            scalars = self._scalars[layer]
+            options = dict(config=layer.config, rounding=layer.rounding, seed=scalars.seed,
+                           grad_scale=self._grad_scale, weight_slice=layer.weight_slice, report="defer")
+            if grad is None:
+                self._outcomes[layer] = fused_weight_update(x2d, dy2d, layer.weight.data, layer.forge_state,
+                                                            layer.rule, scalars, oracle=layer.oracle, **options)
+            else:
+                self._outcomes[layer] = apply_rule(grad, layer.weight.data, layer.forge_state, layer.rule, scalars,
+                                                   **options)
             layer.forge_step.add_(1)
         layer._bump_versions(layer.weight.data)
 
     def check(self):
-        """Read the latest step's outcome for every fused layer (one synchronization);
-        raise its first error, after stopping the capture (see the module docstring)."""
+        """Read the latest step's outcome for every fused layer, and its global norm when
+        clipping (one synchronization); raise its first error, after stopping the capture
+        (see the module docstring)."""
         if self._checked or not self.active:
             return
         self._checked = True
         with torch.cuda.device(self._device):
-            statuses = torch.stack([self._outcomes[layer].status for layer in self.layers]).cpu()
-        bad = [layer for layer, status in zip(self.layers, statuses) if bool(status.any())]
-        if not bad:
-            return
+            read = self._verdict.cpu()
+        bad = [layer for layer, status in zip(self.layers, read) if bool(status.any())]
         errors = {}
         for layer in bad:
             try:
                 self._outcomes[layer].check()
             except FloatingPointError as error:
                 errors[layer] = error
+        if not errors:
+            norm = None if self.max_norm is None else float(read[-1, 0])
+            if norm is None or math.isfinite(norm):
+                return
+            # Every fused layer stepped cleanly (they step before the norm is known); the
+            # optimizer was skipped in the graph.
+            self._stop(self.step)
+            error = non_finite_norm_error(norm, PREVIOUS_NORM_STEPPED)
+            error.args = (f"step {self.step} (CapturedStep): {error.args[0]}; the capture is stopped and the layers "
+                          "released",)
+            raise error
         self._stop(self.step, errors)
         (first_layer, first), *others = errors.items()
         first.args = (f"fused layer {first_layer.forge_name!r}, step {self.step} (CapturedStep): {first.args[0]}; "
@@ -274,7 +448,8 @@ class CapturedStep:
         """Release the layers to eager training and drop the graph, the layers at ``step``
         except those with an entry in ``errors``: ``None`` (took no backward) or a
         ``NonFiniteInputError`` (wrote nothing) leave a layer at step - 1; another error
-        (non-finite tiles) stops it at ``step``, as eagerly."""
+        (non-finite tiles) stops it at ``step``, as eagerly. The unfused gradients go, as
+        ``fk.Trainer`` leaves none, where this object steps the optimizer."""
         errors = errors or {}
         for layer in self.layers:
             layer.forge_backward = None
@@ -286,7 +461,9 @@ class CapturedStep:
             error = errors[layer]
             if error is not None and not isinstance(error, NonFiniteInputError):
                 layer._failed_step = step
-        self.graph = self.loss = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.graph = self.loss = self._verdict = None
         self._outcomes = {}
         self.active = False
 

@@ -78,6 +78,58 @@ def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def check_max_norm(max_norm) -> None:
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf")):
+        raise ValueError(f"max_norm must be a finite number > 0 (or None for no clipping), got {max_norm!r}")
+
+
+def non_finite_norm_error(norm: float, stepped: str) -> FloatingPointError:
+    return FloatingPointError(f"the global gradient norm is {norm}; {stepped}")
+
+
+# What has happened when previous-norm clipping finds the norm non-finite.
+PREVIOUS_NORM_STEPPED = ("the fused layers have stepped (previous-norm clipping steps them before the norm is known); "
+                         "the torch optimizer has not")
+
+
+def clip_scale(params, max_norm: float, fused_norms: dict, inputs=None, stepped="nothing was stepped") -> tuple:
+    """(global norm, clip coefficient) as ``total_norm`` and ``clip_coefficient`` give
+    them; a non-finite norm raises, after ``inputs`` (an ``_InputCheck``, if given) has
+    raised its more precise error where non-finite operands are the cause. Synchronizes."""
+    norm = total_norm(params, fused_norms)
+    if not bool(torch.isfinite(norm)):
+        if inputs is not None:
+            inputs.raise_if_any()
+        raise non_finite_norm_error(float(norm), stepped)
+    return norm, clip_coefficient(max_norm, norm)
+
+
+def scale_unfused_gradients(model, factor) -> None:
+    for p in unfused_parameters(model):
+        if p.grad is not None:
+            p.grad.mul_(factor)  # the multiply clip_grad_norm_ does
+
+
+def check_unfused_optimizer(model, optimizer) -> None:
+    """Refuse a torch optimizer that does not hold exactly the model's trainable parameters
+    outside its fused layers (``None``: the model must have none)."""
+    unfused = unfused_parameters(model)
+    if optimizer is None:
+        if any(p.requires_grad for p in unfused):
+            raise ValueError("the model has parameters outside its fused layers; pass a torch optimizer "
+                             "over fk.unfused_parameters(model)")
+        return
+    fused_ids = {id(layer.weight) for layer in fused_layers(model)}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if stepped & fused_ids:
+        raise ValueError("the optimizer holds fused weights; build it over fk.unfused_parameters(model)")
+    missing = [name for name, p in model.named_parameters()
+               if p.requires_grad and id(p) not in fused_ids and id(p) not in stepped]
+    if missing:
+        raise ValueError(f"parameters that nothing would step: {missing}; build the optimizer over "
+                         "fk.unfused_parameters(model)")
+
+
 class _InputCheck:
     """Non-finite operands of the fused layers' materialized gradients: counted on the
     device as each layer's gradient is taken (no synchronization), read once per step."""
@@ -173,8 +225,7 @@ class Trainer:
         if clipping != "exact" and gradients != "fused":
             raise ValueError("gradients='materialized' clips exactly in one pass; clipping='previous-norm' is for "
                              "the fused path")
-        if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf")):
-            raise ValueError(f"max_norm must be a finite number > 0 (or None for no clipping), got {max_norm!r}")
+        check_max_norm(max_norm)
         self.model, self.gradients, self.max_norm, self.clipping = model, gradients, max_norm, clipping
         self.layers = fused_layers(model)
         if not self.layers:
@@ -202,24 +253,12 @@ class Trainer:
         self.last_norm = None
 
     def _with_fused_groups(self, optimizer):
-        unfused = unfused_parameters(self.model)
-        fused_ids = {id(layer.weight) for layer in self.layers}
+        check_unfused_optimizer(self.model, optimizer)
         groups = [{"params": [layer.weight for layer in self.layers if layer.rule is rule], "lr": rule.lr,
                    _GROUP_KEY: index} for index, rule in enumerate(self.rules)]
         if optimizer is None:
-            if any(p.requires_grad for p in unfused):
-                raise ValueError("the model has parameters outside its fused layers; pass a torch optimizer "
-                                 "over fk.unfused_parameters(model)")
             # Only a holder for the fused groups' learning rates: it never steps a fused weight.
             return torch.optim.SGD(groups, lr=0.0)
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if stepped & fused_ids:
-            raise ValueError("the optimizer holds fused weights; build it over fk.unfused_parameters(model)")
-        missing = [name for name, p in self.model.named_parameters()
-                   if p.requires_grad and id(p) not in fused_ids and id(p) not in stepped]
-        if missing:
-            raise ValueError(f"parameters that nothing would step: {missing}; build the optimizer over "
-                             "fk.unfused_parameters(model)")
         for group in groups:
             optimizer.add_param_group(group)
         return optimizer
@@ -361,24 +400,13 @@ class Trainer:
         check_updates(self.model)  # the steps' own errors first: they name what was (not) written
         # This step's norm, for the next step; a non-finite one is refused, but the fused
         # layers have stepped by now (this mode steps them before the norm is known).
-        self._clip_scale(norms, stepped="the fused layers have stepped (previous-norm clipping steps them before "
-                                        "the norm is known); the torch optimizer has not")
-        self._scale_unfused_gradients(scale)
+        self._clip_scale(norms, stepped=PREVIOUS_NORM_STEPPED)
+        scale_unfused_gradients(self.model, scale)
         return losses
 
-    def _scale_unfused_gradients(self, factor):
-        for p in unfused_parameters(self.model):
-            if p.grad is not None:
-                p.grad.mul_(factor)  # the multiply clip_grad_norm_ does
-
     def _clip_scale(self, fused_norms, inputs=None, stepped="nothing was stepped"):
-        norm = total_norm(self.model.parameters(), fused_norms)
-        if not bool(torch.isfinite(norm)):
-            if inputs is not None:
-                inputs.raise_if_any()  # the more precise error, when that is the cause
-            raise FloatingPointError(f"the global gradient norm is {float(norm)}; {stepped}")
-        self.last_norm = norm
-        return clip_coefficient(self.max_norm, norm)
+        self.last_norm, coefficient = clip_scale(self.model.parameters(), self.max_norm, fused_norms, inputs, stepped)
+        return coefficient
 
     def _materialized_step(self, closures):
         buffers = {}
@@ -396,7 +424,7 @@ class Trainer:
         if self.max_norm is not None:
             coefficient = self._clip_scale({id(layer.weight): torch.linalg.vector_norm(grad, 2.0)
                                             for layer, grad in buffers.items()}, inputs)
-            self._scale_unfused_gradients(coefficient)
+            scale_unfused_gradients(self.model, coefficient)
             scale = float(coefficient)
         else:
             inputs.raise_if_any()

@@ -1,0 +1,206 @@
+"""CapturedStep with the torch optimizer handed to it and global-norm clipping
+(``max_norm``, ``clipping="previous-norm"``): bitwise ``fk.Trainer`` with the same
+clipping at every step (weights, fused and torch optimizer state, step counts, losses,
+norms), on steps that clip and steps that do not; a non-finite norm or fused step skips
+the torch optimizer on the device and stops the capture where the Trainer raises,
+leaving the same state; what a capture cannot do is refused, on the CPU too."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import forge_kernels as fk
+from forge_verify import assert_bitwise_equal
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+# Both sides run a capturable torch optimizer uncaptured: the Trainer always, the CapturedStep in its warm-up.
+uncaptured_capturable = pytest.mark.filterwarnings("ignore:This instance was constructed with capturable=True")
+REGIMES = {"fp32": (torch.float32, "fp32"), "bf16": (torch.bfloat16, "bf16"), "q8": (torch.bfloat16, "q8")}
+CONFIG = fk.TileConfig(block_n=32, block_k=32, block_t=32)
+MAX_NORM = 0.25
+# The loss scale of each step: the global norm goes above MAX_NORM on the scaled steps and
+# stays below it on the others (about 0.2-0.3 unscaled, 0.5-0.7 scaled, on the CPU).
+SCALES = (1.0, 1.0, 4.0, 1.0, 4.0, 1.0, 1.0)
+
+
+def _base(device, dtype):
+    """An MLP with unfused parameters (biases, a LayerNorm) beside its two fused weights."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 40)).to(device, dtype)
+
+
+def _pair(regime):
+    """The same fused model twice, each with its own fused, capturable torch AdamW."""
+    dtype, state_format = REGIMES[regime]
+    base = _base("cuda", dtype)
+    models = [fk.fuse(copy.deepcopy(base), fk.AdamW(lr=1e-2, weight_decay=0.1), state_format=state_format,
+                      config=CONFIG, seed=7, report="defer") for _ in range(2)]
+    optimizers = [torch.optim.AdamW(fk.unfused_parameters(m), lr=3e-3, fused=True, capturable=True) for m in models]
+    return models, optimizers
+
+
+def _loss(model, x, scale):
+    return model(x).float().square().mean() * scale
+
+
+def _captured(model, optimizer, static_x, static_scale, **kwargs):
+    def step_fn():  # forward and backward only: the CapturedStep steps the optimizer
+        loss = _loss(model, static_x, static_scale)
+        loss.backward()
+        return loss
+    return fk.CapturedStep(model, step_fn, optimizer=optimizer, **kwargs)
+
+
+def _assert_same_training_state(a, b, optimizer_a, optimizer_b, where):
+    for (name, x), (name_b, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert name == name_b
+        assert_bitwise_equal(x, y, f"{where}: {name}")
+    state_a, state_b = optimizer_a.state_dict()["state"], optimizer_b.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for slot in state_a[key]:
+            assert_bitwise_equal(state_a[key][slot], state_b[key][slot], f"{where}: optimizer state {key}.{slot}")
+
+
+def _batches(dtype):
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    while True:
+        yield torch.randn(24, 48, generator=gen).to("cuda", dtype)
+
+
+@needs_cuda
+@uncaptured_capturable
+@pytest.mark.exactness
+@pytest.mark.parametrize("max_norm", [MAX_NORM, None], ids=["previous-norm", "no-clipping"])
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_captured_steps_are_bitwise_the_trainers(regime, max_norm):
+    """Step 1 (exact, two passes, eager), one warm-up step, the capture and four replays:
+    after each, the loss, the global norm, every weight, fused state slot and step count,
+    and the torch optimizer's state equal those of fk.Trainer with the same clipping. The
+    captured steps include steps scaled by the previous norm's factor and steps not."""
+    (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair(regime)
+    clipping = None if max_norm is None else "previous-norm"
+    trainer = fk.Trainer(eager, eager_optimizer, max_norm=max_norm, clipping=clipping or "exact")
+    dtype = REGIMES[regime][0]
+    static_x, static_scale = torch.empty(24, 48, device="cuda", dtype=dtype), torch.ones((), device="cuda")
+    step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=max_norm, clipping=clipping)
+    norms = []
+    for index, (x, scale) in enumerate(zip(_batches(dtype), SCALES)):
+        static_x.copy_(x)
+        static_scale.fill_(scale)
+        loss = step()
+        [eager_loss] = trainer.step(lambda: _loss(eager, x, static_scale))
+        where = f"step {index + 1}"
+        assert_bitwise_equal(loss, eager_loss, f"{where}: loss")
+        _assert_same_training_state(graphed, eager, graphed_optimizer, eager_optimizer, where)
+        if max_norm is None:
+            assert step.last_norm is None and trainer.last_norm is None
+        else:
+            assert_bitwise_equal(step.last_norm, trainer.last_norm, f"{where}: global norm")
+            norms.append(float(trainer.last_norm))
+    assert step.graph is not None and int(graphed[0].forge_step) == len(SCALES)
+    if max_norm is not None:
+        # Steps 3..7 were captured; each was scaled by the factor of the norm before it.
+        clipped = [norm > MAX_NORM for norm in norms[1:-1]]
+        assert any(clipped) and not all(clipped), norms
+    step.release()
+    assert all(p.grad is None for p in graphed.parameters())
+
+
+@needs_cuda
+@uncaptured_capturable
+@pytest.mark.parametrize("poison", ["unfused gradient", "input"])
+def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_raises(poison):
+    """On the fifth step (a replay), an unfused gradient made infinite (the global norm is
+    not finite; the fused layers have stepped) or a NaN input (the fused layers write
+    nothing): the CapturedStep raises the Trainer's error and stops; the torch optimizer
+    was skipped on the device; weights, states, step counts and the last finite norm are
+    the Trainer's, bitwise, and no gradient is left."""
+    (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair("fp32")
+    factor = torch.ones((), device="cuda")  # 1, or inf on the poisoned step: read in the graph too
+    for model in (eager, graphed):
+        model[1].weight.register_hook(lambda grad: grad * factor)  # the LayerNorm's weight: unfused
+    trainer = fk.Trainer(eager, eager_optimizer, max_norm=MAX_NORM, clipping="previous-norm")
+    static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
+    step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm")
+    error, message = ((FloatingPointError, "the fused layers have stepped") if poison == "unfused gradient" else
+                      (fk.NonFiniteInputError, "non-finite"))
+    for index, x in zip(range(5), _batches(torch.float32)):
+        poisoned = index == 4
+        if poisoned and poison == "input":
+            x[3, 5] = float("nan")
+        elif poisoned:
+            factor.fill_(float("inf"))
+        static_x.copy_(x)
+        if poisoned:
+            with pytest.raises(error, match=message) as raised:
+                step()
+            assert "step 5 (CapturedStep)" in str(raised.value) and "capture is stopped" in str(raised.value)
+            with pytest.raises(error, match=message):
+                trainer.step(lambda: _loss(eager, x, static_scale))
+        else:
+            step()
+            trainer.step(lambda: _loss(eager, x, static_scale))
+        _assert_same_training_state(graphed, eager, graphed_optimizer, eager_optimizer, f"step {index + 1}")
+        assert_bitwise_equal(step.last_norm, trainer.last_norm, f"step {index + 1}: last finite norm")
+    assert not step.active
+    stepped = 5 if poison == "unfused gradient" else 4
+    assert [int(layer.forge_step) for layer in fk.fused_layers(graphed)] == [stepped, stepped]
+    assert all(p.grad is None for model in (graphed, eager) for p in model.parameters())
+
+
+@needs_cuda
+@uncaptured_capturable
+def test_a_non_finite_norm_in_the_exact_first_step_steps_nothing():
+    """The first step clips exactly, as the Trainer's: a non-finite norm is found before any
+    step, and the layers are released where they were."""
+    (_, graphed), (_, optimizer) = _pair("fp32")
+    graphed[1].weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    before = {k: v.clone() for k, v in graphed.state_dict().items()}
+    static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
+    step = _captured(graphed, optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm")
+    static_x.copy_(next(_batches(torch.float32)))
+    with pytest.raises(FloatingPointError, match="nothing was stepped"):
+        step()
+    assert not step.active and step.last_norm is None
+    for name, value in graphed.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+    assert not optimizer.state and all(p.grad is None for p in graphed.parameters())
+
+
+def test_clipping_under_capture_refuses_what_it_cannot_do(device):
+    """Every refusal comes before anything is held or run (the CPU reaches them all; it
+    is refused for want of CUDA graphs only after them)."""
+    model = fk.fuse(_base(device, torch.float32), fk.AdamW(), config=CONFIG)
+    unfused = fk.unfused_parameters(model)
+
+    def capture(optimizer="fused", **kwargs):
+        if optimizer == "fused":
+            optimizer = torch.optim.AdamW(unfused, fused=True)
+        return fk.CapturedStep(model, lambda: None, optimizer=optimizer, **kwargs)
+
+    for max_norm in (0, -1.0, float("inf"), float("nan"), "1.0"):
+        with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+            capture(max_norm=max_norm, clipping="previous-norm")
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        capture(max_norm=1.0, clipping="global")
+    with pytest.raises(ValueError, match=r"clipping='exact' cannot be captured.*twice.*previous-norm.*fk\.Trainer"):
+        capture(max_norm=1.0, clipping="exact")
+    with pytest.raises(ValueError, match="APPROXIMATE.*pass clipping='previous-norm'"):
+        capture(max_norm=1.0)
+    with pytest.raises(ValueError, match="parameters outside its fused layers"):
+        capture(optimizer=None, max_norm=1.0, clipping="previous-norm")
+    with pytest.raises(ValueError, match="fused optimizers.*AdamW without fused=True"):
+        capture(optimizer=torch.optim.AdamW(unfused))
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
+        capture(optimizer=object())
+    with pytest.raises(ValueError, match="holds fused weights"):
+        capture(optimizer=torch.optim.AdamW(model.parameters(), fused=True), max_norm=1.0, clipping="previous-norm")
+    with pytest.raises(ValueError, match=r"nothing would step: \['1.weight', '1.bias', '3.bias'\]"):
+        capture(optimizer=torch.optim.AdamW(unfused[:1], fused=True), max_norm=1.0, clipping="previous-norm")
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="one CUDA device"):
+            capture(max_norm=1.0, clipping="previous-norm")
+    assert all(layer.forge_owner is None and layer.forge_backward is None for layer in fk.fused_layers(model))
