@@ -52,12 +52,15 @@ after it (after the clip, with ``max_norm``). It must be one of torch's fused op
 (``fused=True``; Adam and AdamW also ``capturable=True``): where a fused layer's step or
 the global norm is non-finite, the step skips it on the device through the ``found_inf``
 tensor torch's ``GradScaler`` uses for them (no synchronization), as ``fk.Trainer`` does
-not step it then. Its hyperparameters are fixed at capture unless they are tensors.
+not step it then (an eager step, which reads its outcome anyway, does not call it). Its
+hyperparameters are fixed at capture unless they are tensors (``lr=torch.tensor(...)``
+for a schedule); a ``load_state_dict`` on it while captured, or its ``step()`` inside
+``step_fn``, is refused (the graph would go on stepping the old state; it would step twice).
 
 ``max_norm=`` with ``clipping="previous-norm"`` (named explicitly: it is APPROXIMATE)
 clips by global norm as ``fk.Trainer(..., max_norm, clipping="previous-norm")`` does,
-bitwise (``tests/test_captured_clipping.py``, on a GPU),
-with no synchronization in a replay. The first call, which has no previous
+bitwise (``tests/test_captured_clipping.py``, on a GPU), with no synchronization in a
+replay beyond the check's (none with ``check="manual"``). The first call, which has no previous
 norm, is that Trainer's first step: exact, eager, ``step_fn`` run twice (the first run
 only measures the fused layers' gradient norms; the torch RNG is rewound between the
 runs); then ``warmup`` eager steps of the captured kind, then the capture. Every later
@@ -66,10 +69,11 @@ previous step's norm is computed on the device; each fused layer materializes it
 gradient (``weight_gradient``), keeps its norm and steps from it with that coefficient as
 a device ``grad_scale``; then the global norm of this step (``total_norm``, the fused
 norms and the unfused ``.grad``), the unfused gradients multiplied by the coefficient,
-the optimizer's step, and ``last_norm`` (a device tensor, updated in place) set to the
-new norm where it and every fused step are finite. A non-finite norm leaves ``last_norm``
-as it was, skips the optimizer, and the check raises the Trainer's FloatingPointError
-(the fused layers have stepped, the torch optimizer has not), stopping the capture.
+the optimizer's step, and ``last_norm`` (a device tensor, updated in place; the first,
+exact step sets it from its norm, as the Trainer's does) set to the new norm where it and
+every fused step are finite. A non-finite norm leaves ``last_norm`` as it was, skips the
+optimizer, and the check raises the Trainer's FloatingPointError (the fused layers have
+stepped, the torch optimizer has not), stopping the capture.
 ``clipping="exact"`` is refused: it needs two forward/backward passes per step with the
 RNG rewound between them, and a ``CapturedStep`` records one pass of ``step_fn``.
 
@@ -122,6 +126,18 @@ def _check_clipping(max_norm, clipping):
                          "clipping")
 
 
+def _check_last_norm(last_norm, max_norm):
+    if last_norm is None:
+        return
+    if max_norm is None:
+        raise ValueError("last_norm= is the previous step's global norm for previous-norm clipping; it needs max_norm")
+    if not (isinstance(last_norm, torch.Tensor) and last_norm.numel() == 1 and last_norm.is_floating_point()):
+        raise TypeError("last_norm must be the one-element tensor that fk.Trainer's or a CapturedStep's last_norm "
+                        f"holds (its dtype is part of the next clip factor's bits), got {last_norm!r}")
+    if not (bool(torch.isfinite(last_norm)) and float(last_norm) >= 0):
+        raise ValueError(f"last_norm must be a finite norm >= 0, got {float(last_norm)}")
+
+
 def _check_optimizer(model, optimizer, max_norm):
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -132,6 +148,9 @@ def _check_optimizer(model, optimizer, max_norm):
                              "it on the device when a fused step or the norm is non-finite, through the found_inf "
                              "tensor that only fused optimizers read (as GradScaler does). Another capturable "
                              "optimizer can be stepped inside step_fn, without max_norm")
+        if any(group.get("capturable") is False for group in optimizer.param_groups):
+            raise ValueError(f"optimizer= is a {type(optimizer).__name__} with capturable=False: its step would be "
+                             "recorded in the graph with host-side step counts; make it with capturable=True")
     if optimizer is not None or max_norm is not None:  # with max_norm the clip must come before the optimizer
         check_unfused_optimizer(model, optimizer)
 
@@ -141,11 +160,14 @@ class CapturedStep:
     one CUDA device; each call takes the next step. ``optimizer``: the torch optimizer of
     the unfused parameters, stepped by the call (not by ``step_fn``); ``max_norm`` and
     ``clipping="previous-norm"``: global-norm clipping as ``fk.Trainer``'s; ``last_norm``:
-    the latest finite global norm (a device tensor updated in place; None without
-    ``max_norm`` and before the first call)."""
+    the global norm the next step's clip factor comes from (None without ``max_norm`` and
+    before the first call), one device tensor updated in place at each step (``clone()``
+    it to keep a step's value), and what a checkpoint keeps to resume: pass it back as
+    ``last_norm=`` (or set ``fk.Trainer``'s ``last_norm`` to a clone of it) and the next
+    step is the previous-norm step an uninterrupted run takes, not an exact first step."""
 
     def __init__(self, model: torch.nn.Module, step_fn, *, optimizer=None, max_norm=None, clipping=None,
-                 warmup: int = 1, check: str = "every step"):
+                 last_norm=None, warmup: int = 1, check: str = "every step"):
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if check not in CHECKS:
@@ -153,6 +175,7 @@ class CapturedStep:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an integer >= 1 (eager steps before capture), got {warmup!r}")
         _check_clipping(max_norm, clipping)
+        _check_last_norm(last_norm, max_norm)
         layers = [m for m in model.modules() if isinstance(m, ForgeLinear)]
         if not layers:
             raise ValueError("CapturedStep needs a model with fused layers (fk.fuse); for a model without any, "
@@ -181,7 +204,7 @@ class CapturedStep:
                                "them together, so it needs them at one step (did some layer take no backward?)")
         self.model, self.step_fn, self.check_mode, self.layers = model, step_fn, check, layers
         self.optimizer, self.max_norm = optimizer, max_norm
-        self.last_norm = None
+        self.last_norm = None if last_norm is None else last_norm.detach().to(layers[0].weight.device, copy=True)
         self.step = steps.pop()     # the step the latest call took
         self.graph = self.loss = None
         self._warmup_left = warmup
@@ -208,7 +231,21 @@ class CapturedStep:
         for layer in layers:
             layer.forge_backward = self._step_layer
             layer.forge_owner = self
+        self._hooks = []
+        if optimizer is not None:
+            self._hooks = [optimizer.register_step_pre_hook(self._refuse_a_step_in_step_fn),
+                           optimizer.register_load_state_dict_pre_hook(self._refuse_a_load_while_captured)]
         self.active = True
+
+    def _refuse_a_step_in_step_fn(self, optimizer, args, kwargs):
+        if self._pass is not None:
+            raise RuntimeError("the optimizer handed to the CapturedStep (optimizer=) is stepped by the step itself, "
+                               "after step_fn: step_fn must only run forward and backward")
+
+    def _refuse_a_load_while_captured(self, optimizer, state_dict):
+        if self.graph is not None:
+            raise RuntimeError("the optimizer's state is captured in the CapturedStep's graph, which would go on "
+                               "stepping the old tensors: release() the CapturedStep, load, and make a new one")
 
     def __call__(self):
         """Take one training step; returns what ``step_fn`` returned (once captured, the
@@ -346,12 +383,20 @@ class CapturedStep:
             self.last_norm.copy_(torch.where(bad, self.last_norm, norm))
         if self.optimizer is None:
             return
+        if not torch.cuda.is_current_stream_capturing():
+            # An eager step reads the verdict (it synchronizes anyway) and, like the
+            # Trainer, does not step the optimizer at all after a bad step: skipped through
+            # found_inf, a first step would still create its state (fused SGD's momentum
+            # from torch.empty_like, never written).
+            if not bool(bad):
+                with warnings.catch_warnings():
+                    # A warm-up step runs the capturable optimizer uncaptured, as capture needs.
+                    warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
+                    self.optimizer.step()
+            return
         self.optimizer.found_inf = bad.float()  # read by torch's fused optimizers, as GradScaler sets it
         try:
-            with warnings.catch_warnings():
-                # A warm-up step runs the capturable optimizer uncaptured, as capture needs.
-                warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
-                self.optimizer.step()
+            self.optimizer.step()
         finally:
             del self.optimizer.found_inf
 
@@ -463,8 +508,10 @@ class CapturedStep:
                 layer._failed_step = step
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        for hook in self._hooks:
+            hook.remove()
         self.graph = self.loss = self._verdict = None
-        self._outcomes = {}
+        self._outcomes, self._hooks, self._grad_scale = {}, [], 1.0  # the coefficient lived in the graph's pool
         self.active = False
 
     def release(self):

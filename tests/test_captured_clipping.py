@@ -178,7 +178,7 @@ def test_clipping_under_capture_refuses_what_it_cannot_do(device):
 
     def capture(optimizer="fused", **kwargs):
         if optimizer == "fused":
-            optimizer = torch.optim.AdamW(unfused, fused=True)
+            optimizer = torch.optim.AdamW(unfused, fused=True, capturable=True)
         return fk.CapturedStep(model, lambda: None, optimizer=optimizer, **kwargs)
 
     for max_norm in (0, -1.0, float("inf"), float("nan"), "1.0"):
@@ -194,12 +194,24 @@ def test_clipping_under_capture_refuses_what_it_cannot_do(device):
         capture(optimizer=None, max_norm=1.0, clipping="previous-norm")
     with pytest.raises(ValueError, match="fused optimizers.*AdamW without fused=True"):
         capture(optimizer=torch.optim.AdamW(unfused))
+    with pytest.raises(ValueError, match="capturable=False.*make it with capturable=True"):
+        capture(optimizer=torch.optim.AdamW(unfused, fused=True))
+    with pytest.raises(ValueError, match="last_norm= .* needs max_norm"):
+        capture(last_norm=torch.tensor(0.5))
+    for last_norm in (0.5, torch.tensor([0.5, 0.5]), torch.tensor(1)):
+        with pytest.raises(TypeError, match="last_norm must be the one-element tensor"):
+            capture(max_norm=1.0, clipping="previous-norm", last_norm=last_norm)
+    for last_norm in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="last_norm must be a finite norm >= 0"):
+            capture(max_norm=1.0, clipping="previous-norm", last_norm=torch.tensor(last_norm))
     with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
         capture(optimizer=object())
     with pytest.raises(ValueError, match="holds fused weights"):
-        capture(optimizer=torch.optim.AdamW(model.parameters(), fused=True), max_norm=1.0, clipping="previous-norm")
+        capture(optimizer=torch.optim.AdamW(model.parameters(), fused=True, capturable=True), max_norm=1.0,
+                clipping="previous-norm")
     with pytest.raises(ValueError, match=r"nothing would step: \['1.weight', '1.bias', '3.bias'\]"):
-        capture(optimizer=torch.optim.AdamW(unfused[:1], fused=True), max_norm=1.0, clipping="previous-norm")
+        capture(optimizer=torch.optim.AdamW(unfused[:1], fused=True, capturable=True), max_norm=1.0,
+                clipping="previous-norm")
     if device == "cpu":
         with pytest.raises(RuntimeError, match="one CUDA device"):
             capture(max_norm=1.0, clipping="previous-norm")
