@@ -111,13 +111,15 @@ def test_captured_steps_are_bitwise_the_trainers(regime, max_norm):
 
 @needs_cuda
 @uncaptured_capturable
-@pytest.mark.parametrize("poison", ["unfused gradient", "input"])
+@pytest.mark.parametrize("poison", ["unfused gradient", "input", "fused state"])
 def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_raises(poison):
     """On the fifth step (a replay), an unfused gradient made infinite (the global norm is
-    not finite; the fused layers have stepped) or a NaN input (the fused layers write
-    nothing): the CapturedStep raises the Trainer's error and stops; the torch optimizer
-    was skipped on the device; weights, states, step counts and the last finite norm are
-    the Trainer's, bitwise, and no gradient is left."""
+    not finite; the fused layers have stepped), a NaN input (the fused layers write
+    nothing), or an infinite first moment in one fused weight's state (its tile is not
+    finite and is skipped, while the norm is finite: the step's own verdict alone skips
+    the optimizer): the CapturedStep raises the Trainer's error and stops; the torch
+    optimizer was skipped on the device; weights, states, step counts and the last finite
+    norm are the Trainer's, bitwise, and no gradient is left."""
     (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair("fp32")
     factor = torch.ones((), device="cuda")  # 1, or inf on the poisoned step: read in the graph too
     for model in (eager, graphed):
@@ -125,12 +127,16 @@ def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_rai
     trainer = fk.Trainer(eager, eager_optimizer, max_norm=MAX_NORM, clipping="previous-norm")
     static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
     step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm")
-    error, message = ((FloatingPointError, "the fused layers have stepped") if poison == "unfused gradient" else
-                      (fk.NonFiniteInputError, "non-finite"))
+    error, message = {"unfused gradient": (FloatingPointError, "the fused layers have stepped"),
+                      "input": (fk.NonFiniteInputError, "non-finite"),
+                      "fused state": (fk.NonFiniteUpdateError, "non-finite")}[poison]
     for index, x in zip(range(5), _batches(torch.float32)):
         poisoned = index == 4
         if poisoned and poison == "input":
             x[3, 5] = float("nan")
+        elif poisoned and poison == "fused state":
+            for model in (eager, graphed):  # read in place by the replay as by the eager step
+                fk.fused_layers(model)[0].forge_state["exp_avg"][2, 3] = float("inf")
         elif poisoned:
             factor.fill_(float("inf"))
         static_x.copy_(x)
@@ -140,13 +146,16 @@ def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_rai
             assert "step 5 (CapturedStep)" in str(raised.value) and "capture is stopped" in str(raised.value)
             with pytest.raises(error, match=message):
                 trainer.step(lambda: _loss(eager, x, static_scale))
+            if poison == "fused state":  # a checkpoint (the state compared) refuses mixed-step tiles unaccepted
+                for model in (graphed, eager):
+                    fk.fused_layers(model)[0].forge_accept_partial_step()
         else:
             step()
             trainer.step(lambda: _loss(eager, x, static_scale))
         _assert_same_training_state(graphed, eager, graphed_optimizer, eager_optimizer, f"step {index + 1}")
         assert_bitwise_equal(step.last_norm, trainer.last_norm, f"step {index + 1}: last finite norm")
     assert not step.active
-    stepped = 5 if poison == "unfused gradient" else 4
+    stepped = 4 if poison == "input" else 5  # a layer with skipped tiles stops at the step it took
     assert [int(layer.forge_step) for layer in fk.fused_layers(graphed)] == [stepped, stepped]
     assert all(p.grad is None for model in (graphed, eager) for p in model.parameters())
 
