@@ -152,6 +152,21 @@ def _assert_portable_bits_in_a_slice(config, regime, rule_name, shape, where, se
     _assert_same(fast, _steps(_portable(config), rule, x, dy, w, state, **kwargs), "portable")
 
 
+def _assert_the_same_skips(config, x, dy, w):
+    """One SGD step of ``config`` and of the portable kernel on an overflowing gradient:
+    both skip and name the same parts (returned) and leave the same weight."""
+    rule = fk.SGD(lr=1.0)
+    found = []
+    for kernel_config in (config, _portable(config)):
+        w_k, state = w.clone(), rule.init_state(w)
+        with pytest.raises(fk.NonFiniteUpdateError) as raised:
+            fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
+        found.append((raised.value.tiles, w_k))
+    assert found[0][0] == found[1][0]
+    assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
+    return found[0][0]
+
+
 def _name(config):
     return (f"{config.block_n}x{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
             f"{'r' if config.epilogue_axis == 'rows' else ''}w{config.num_warps}"
@@ -231,19 +246,11 @@ def test_skipped_tiles_are_named_by_their_place_not_their_turn(config):
     band order it is taken after the first column's tiles, in row-major order (which names
     the portable kernel's verdict flags) it comes second. Both kernels skip and name the
     same parts."""
-    rule = fk.SGD(lr=1.0)
     x, dy, w = _inputs(64, 192, 256, torch.float32)
     x[:, 160:192] = 2.0**60
     dy[:, 0:64] = 2.0**80
-    found = []
-    for kernel_config in (config, _portable(config)):
-        w_k, state = w.clone(), rule.init_state(w)
-        with pytest.raises(fk.NonFiniteUpdateError) as raised:
-            fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
-        found.append((raised.value.tiles, w_k))
-    assert found[0][0] == found[1][0]
-    assert found[0][0] and all(r0 < 64 and c0 < 192 and c1 > 160 for r0, _, c0, c1 in found[0][0])
-    assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
+    skipped = _assert_the_same_skips(config, x, dy, w)
+    assert skipped and all(r0 < 64 and c0 < 192 and c1 > 160 for r0, _, c0, c1 in skipped)
 
 
 @hopper
@@ -360,18 +367,10 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config, hot, s
     rows 0-127; row parts of 16 skip the four that hold rows 64-127, across the tile's
     width (the weight's 96 columns), and with rows 80-95 hot the sixth part alone (which
     pins the parts' order against the portable kernel's, not only their set)."""
-    rule = fk.SGD(lr=1.0)
     x, dy, w = _inputs(64, 192, 96, torch.float32)
     x[:, 32:64] = 2.0**60
     dy[:, hot[0]:hot[1]] = 2.0**80
-    found = []
-    for kernel_config in (config, _portable(config)):
-        w_k, state = w.clone(), rule.init_state(w)
-        with pytest.raises(fk.NonFiniteUpdateError) as raised:
-            fk.fused_weight_update(x, dy, w_k, state, rule, 1, config=kernel_config)
-        found.append((raised.value.tiles, w_k))
-    assert found[0][0] == found[1][0] == skipped
-    assert_bitwise_equal(found[0][1], found[1][1], "weight after the skipped tile")
+    assert _assert_the_same_skips(config, x, dy, w) == skipped
 
 
 def test_num_warps_picks_the_structure():
