@@ -98,8 +98,8 @@ from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.step_scalars import StepScalarsGroup
 from .training import (CLIPPING, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, check_max_norm,
-                       check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error,
-                       scale_unfused_gradients, total_norm, unfused_parameters)
+                       check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error, rng_rewinder,
+                       scale_unfused_gradients, set_aside_clipped_gradients, total_norm)
 
 CHECKS = ("every step", "manual")
 
@@ -331,22 +331,17 @@ class CapturedStep:
     def _exact_step(self, step):
         """``fk.Trainer``'s first step with clipping, which has no previous norm: exact, in
         two runs of ``step_fn`` (as ``Trainer._clipped_fused_step``), eager."""
-        rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+        rewind = rng_rewinder()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._norms, self._inputs = {}, _InputCheck()
         self._run_step_fn("measure", step)
         norm, coefficient = clip_scale(self.model.parameters(), self.max_norm, self._norms, self._inputs)
-        unfused = [p for p in unfused_parameters(self.model) if p.grad is not None]
-        clipped = [p.grad.mul_(coefficient) for p in unfused]  # the multiply clip_grad_norm_ does
-        for p in unfused:
-            p.grad = None
-        torch.set_rng_state(rng)
-        torch.cuda.set_rng_state_all(cuda_rng)
+        put_back = set_aside_clipped_gradients(self.model, coefficient)
+        rewind()
         self._norms, self._inputs, self._grad_scale = None, None, float(coefficient)
         returned = self._run_step_fn("step", step)
-        for p, grad in zip(unfused, clipped):
-            p.grad = grad
+        put_back()
         self.last_norm = norm
         self._finish(norm)
         return returned

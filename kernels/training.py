@@ -104,6 +104,35 @@ def clip_scale(params, max_norm: float, fused_norms: dict, inputs=None, stepped=
     return norm, clip_coefficient(max_norm, norm)
 
 
+def rng_rewinder():
+    """A function that puts the torch RNG (the CPU's and every CUDA device's) back as it is
+    now: exact clipping's two passes then draw the same dropout masks."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def rewind():
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return rewind
+
+
+def set_aside_clipped_gradients(model, coefficient):
+    """Exact clipping's measuring pass leaves the unfused gradients: multiply them by the
+    clip ``coefficient`` (the multiply clip_grad_norm_ does) and take them off the
+    parameters, so that the stepping pass's backward writes fresh ones; returns a function
+    that puts the clipped ones back."""
+    unfused = [p for p in unfused_parameters(model) if p.grad is not None]
+    clipped = [p.grad.mul_(coefficient) for p in unfused]
+    for p in unfused:
+        p.grad = None
+
+    def put_back():
+        for p, grad in zip(unfused, clipped):
+            p.grad = grad
+    return put_back
+
+
 def scale_unfused_gradients(model, factor) -> None:
     for p in unfused_parameters(model):
         if p.grad is not None:
@@ -349,8 +378,7 @@ class Trainer:
                     "4 bytes per fused parameter), or one larger micro-batch per step")
 
     def _clipped_fused_step(self, closures):
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        rewind = rng_rewinder()
         norms = {}
         inputs = _InputCheck()
 
@@ -360,13 +388,8 @@ class Trainer:
         self._run(closures, lambda index: measure)
         scale = self._clip_scale(norms, inputs)
         scale_value = float(scale)
-        unfused = [p for p in unfused_parameters(self.model) if p.grad is not None]
-        clipped = [p.grad.mul_(scale) for p in unfused]  # the multiply clip_grad_norm_ does
-        for p in unfused:
-            p.grad = None
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        put_back = set_aside_clipped_gradients(self.model, scale)
+        rewind()
         measured = set(norms)
 
         def clipped_step(layer, x2d, dy2d):
@@ -376,8 +399,7 @@ class Trainer:
             layer._apply_step(x2d, dy2d, grad_scale=scale_value, report="defer")
 
         losses = self._run(closures, lambda index: clipped_step)
-        for p, grad in zip(unfused, clipped):
-            p.grad = grad
+        put_back()
         return losses
 
     def _previous_norm_step(self, closures):

@@ -92,6 +92,28 @@ def test_exact_clipping_equals_clip_grad_norm_then_oracle_step(max_norm, device)
 
 
 @pytest.mark.exactness
+def test_exact_clipping_rewinds_the_rng_between_its_passes(device):
+    """A loss that draws from the RNG (a dropout mask over 64 ones scales it): exact
+    clipping's stepping pass must draw what its measuring pass drew, so that the step
+    equals the standard pipeline's one pass from the same seed (without the rewind the
+    second pass draws another mask and the weights differ)."""
+    (model, ref), (optimizer, ref_optimizer) = _pair(device, lambda: fk.AdamW(lr=1e-2))
+    trainer = fk.Trainer(model, optimizer, max_norm=0.05)
+    pipeline = StandardPipeline(ref, ref_optimizer, max_norm=0.05)
+
+    def dropped(closures):
+        ones = torch.ones(64, device=device)
+        return [lambda c=c: c() * torch.nn.functional.dropout(ones, p=0.5).mean() for c in closures]
+    for step in range(2):
+        torch.manual_seed(7 + step)
+        trainer.step(dropped(_closures(model, device, step)))
+        torch.manual_seed(7 + step)
+        norm = pipeline.train_step(dropped(_closures(ref, device, step)))
+        assert_bitwise_equal(trainer.last_norm, norm, "total norm")
+    _assert_same_training_state(model, ref, optimizer, ref_optimizer)
+
+
+@pytest.mark.exactness
 def test_previous_norm_clipping_scales_by_the_previous_steps_factor(device):
     """The approximate mode is exactly what it says: step 1 clipped exactly, step t by the
     factor of step t-1's global norm (clip_grads_with_norm_ with that norm, then the oracle step)."""
