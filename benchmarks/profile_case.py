@@ -6,8 +6,9 @@
         python3 benchmarks/profile_case.py bf16-sr stochastic 256
 
 Arguments: regime (fp32, bf16-sr, q8), rounding (stochastic, nearest, none), tokens (0
-runs the epilogue alone), and optionally a config as the sweeps print it (default: the
-tuned config for the token count), and a shape as ``OUTxIN`` (default 4096x4096).
+runs the epilogue alone), and optionally a config as the sweeps print it (default, or
+``tuned``: the tuned config for the token count) and a shape as ``OUTxIN`` (default
+4096x4096).
 
     ncu ... --kernel-name regex:'pingpong_kernel|split_kernel' ... python3 benchmarks/profile_case.py \
         fp32 none 1024 "64,128,32,4,2,None,4,hopper"
