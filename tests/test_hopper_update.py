@@ -356,6 +356,32 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("where", ["x", "dy"])
+def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(config, where):
+    """Non-finite values in x or dy reach only a few columns or rows of dW, yet no tile of
+    any program is written: a weight of many tiles (48 of 128 x 128, 384 of 64 x 32), so
+    that most programs' own tiles are clean, 200 tokens (a partial block of rows), the values in the input's first and last
+    elements and one inside. The report names the counts the portable kernel's call
+    names (the check's, one per element)."""
+    rule = fk.AdamW()
+    x, dy, w = _inputs(200, 1024, 768, torch.float32)
+    bad = x if where == "x" else dy
+    bad[0, 0], bad[77, 300], bad[199, bad.shape[1] - 1] = float("inf"), float("nan"), float("-inf")
+    state = _state(rule, w, "fp32")
+    messages = []
+    for kernel_config in (config, _portable(config)):
+        w_k, state_k = w.clone(), {name: value.clone() for name, value in state.items()}
+        with pytest.raises(fk.NonFiniteInputError) as raised:
+            fk.fused_weight_update(x, dy, w_k, state_k, rule, 1, config=kernel_config)
+        _assert_same((w, state), (w_k, state_k), f"after non-finite {where}")
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1]
+    assert f"{where}: 3" in messages[0]
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config, hot, skipped", [
     (CONFIGS[0], (64, 128), [(64, 128, 32, 64)]), (CONFIGS[2], (64, 128), [(64, 128, 32, 64)]),
     (SPLIT, (64, 128), [(64, 128, 32, 64)]), (WIDE, (64, 128), [(0, 128, 32, 64)]),
