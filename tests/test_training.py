@@ -19,6 +19,7 @@ from forge_verify import assert_bitwise_equal
 from forge_verify.checks.pipelines import StandardPipeline
 from forge_verify.commands.clipping_spike import spike_study
 from forge_verify.models.tiny_gpt import GPT, GPTConfig
+from forge_verify.numerics.tolerances import gamma, gradient_norm_bound
 
 CONFIG = GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2, n_embd=32)
 
@@ -111,6 +112,66 @@ def test_exact_clipping_rewinds_the_rng_between_its_passes(device):
         norm = pipeline.train_step(dropped(_closures(ref, device, step)))
         assert_bitwise_equal(trainer.last_norm, norm, "total norm")
     _assert_same_training_state(model, ref, optimizer, ref_optimizer)
+
+
+@pytest.mark.parametrize("clipping", fk.training.CLIPPING)
+def test_tile_norms_store_no_gradient(clipping, device, monkeypatch):
+    """norm="tiles": no fused layer's gradient is materialized in either clipping mode
+    (the gradient kernel is made to fail), and the steps still clip."""
+    model = fk.fuse(_gpt(device), fk.AdamW(lr=1e-2))
+    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model), lr=3e-3), max_norm=0.05,
+                         clipping=clipping, norm="tiles")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fused layer's gradient was materialized")
+    monkeypatch.setattr(fk.training, "weight_gradient", refuse)
+    for step in range(2):
+        trainer.step(_closures(model, device, step))
+    assert float(trainer.last_norm) > 0.05  # the steps were clipped
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("clipping", fk.training.CLIPPING)
+def test_tile_norms_step_as_gradient_norms_where_the_factor_is_one(clipping, device):
+    """Below max_norm the clip factor is 1 with either norm, so the steps are the same
+    bits: the fused step (tiles) and the oracle's step from the gradient (previous-norm's
+    gradient mode) agree bitwise, and nothing else differs."""
+    (model, twin), (optimizer, twin_optimizer) = _pair(device, lambda: fk.AdamW(lr=1e-2))
+    trainers = [fk.Trainer(model, optimizer, max_norm=1e3, clipping=clipping, norm="tiles"),
+                fk.Trainer(twin, twin_optimizer, max_norm=1e3, clipping=clipping)]
+    for step in range(3):
+        for trainer, m in zip(trainers, (model, twin)):
+            trainer.step(_closures(m, device, step))
+    _assert_same_training_state(model, twin, optimizer, twin_optimizer)
+
+
+def test_tile_norms_global_norm_is_within_the_bound_of_clip_grad_norm_s(device):
+    """Clipping active: the global norm from tile norms and clip_grad_norm_'s differ by
+    less than the sum of their bounds to the exact norm (proofs/gradient_norm.md: the
+    tiles' bound per layer, and the same derivation for vector_norm's one sum in any
+    order), plus both final norms' own roundings over the stacked per-tensor norms."""
+    (model, twin), (optimizer, twin_optimizer) = _pair(device, lambda: fk.AdamW(lr=1e-2))
+    tiles = fk.Trainer(model, optimizer, max_norm=0.05, norm="tiles")
+    gradient = fk.Trainer(twin, twin_optimizer, max_norm=0.05)
+    tiles.step(_closures(model, device, 0))
+    gradient.step(_closures(twin, device, 0))
+    configs = [layer.config or fk.PINNED for layer in tiles.layers]
+    relative = max(gradient_norm_bound(1.0, *layer.weight.shape, config.block_n, config.block_k)
+                   + gradient_norm_bound(1.0, *layer.weight.shape, *layer.weight.shape)
+                   for layer, config in zip(tiles.layers, configs))
+    stacked = sum(1 for _ in model.parameters())
+    tolerance = float(gradient.last_norm) * (relative + 2 * gamma(2 * stacked + 2, 2.0**-24))
+    assert abs(float(tiles.last_norm) - float(gradient.last_norm)) <= tolerance
+    assert float(gradient.last_norm) > 0.05
+
+
+def test_tile_norms_need_the_fused_path(device):
+    model = fk.fuse(_gpt(device), fk.AdamW())
+    with pytest.raises(ValueError, match="norm='tiles'"):
+        fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), max_norm=1.0, gradients="materialized",
+                   norm="tiles")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), max_norm=1.0, norm="tile")
 
 
 @pytest.mark.exactness

@@ -46,3 +46,18 @@ def accumulation_rtol(backend: str, operand_dtype: torch.dtype, length: int) -> 
     """Bound on |computed - exact| / sum|terms| of a dot product of ``length`` terms,
     in any summation order, on ``backend`` ("interpreter" or "gpu")."""
     return gamma(max(length, 1), ACCUMULATION_UNIT[(backend, operand_dtype)])
+
+
+def gradient_norm_bound(exact_norm: float, rows: int, cols: int, block_n: int, block_k: int) -> float:
+    """Bound on |weight_gradient_norm - ‖G‖₂| for the fp32 gradient G (rows x cols, its
+    elements exact inputs) summed in block_n x block_k tiles, any order inside a tile
+    (proofs/gradient_norm.md): each square rounded once in fp32, a tile's m squares
+    summed in fp32 (γ_{m-1}), the tiles' sums in float64 (γ_{t-1}), the square root in
+    float64 and the cast to fp32 (one rounding each); plus every square's underflow."""
+    m = min(block_n, rows) * min(block_k, cols)
+    tiles = -(-rows // block_n) * -(-cols // block_k)
+    u32, u64 = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.float64]
+    factor = (1 + u32) * (1 + gamma(max(m - 1, 0), u32)) * (1 + gamma(max(tiles - 1, 0), u64))
+    squares_error = exact_norm ** 2 * (factor - 1) + rows * cols * FP32_SUBNORMAL_SPACING * factor
+    root_error = squares_error ** 0.5 if exact_norm == 0 else min(squares_error / exact_norm, squares_error ** 0.5)
+    return root_error * (1 + u64) * (1 + u32) + exact_norm * ((1 + u64) * (1 + u32) - 1)
