@@ -1,7 +1,8 @@
 """The gradient's norm without the gradient (``weight_gradient_norm``, proofs/gradient_norm.md):
 over drawn shapes, tiles, activation dtypes and scales, ragged edges and T = 0 included,
-its tile sums are bitwise the materialized gradient's summed by the same code, and the
-norm is within the proof's bound of the float64 norm of that gradient."""
+its tile sums are bitwise the materialized gradient's summed by the same code (under the
+interpreter: compiled, the reduction tree follows the register layout), and the norm is
+within the proof's bound of the float64 norm of that gradient (everywhere)."""
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from forge_verify.numerics.bits import assert_bitwise_equal
 from forge_verify.numerics.tolerances import gradient_norm_bound
 
 
+@pytest.mark.interpreter
 @pytest.mark.exactness
 @given(data=st.data())
 def test_tile_sums_are_the_materialized_gradients(data, device):

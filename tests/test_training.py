@@ -145,6 +145,26 @@ def test_tile_norms_step_as_gradient_norms_where_the_factor_is_one(clipping, dev
     _assert_same_training_state(model, twin, optimizer, twin_optimizer)
 
 
+@pytest.mark.exactness
+def test_tile_norms_previous_norm_step_clips_by_the_previous_norm(device):
+    """Previous-norm mode from the same previous norm (a resumed run's ``last_norm``, here
+    one that clips by 0.05 / 2): the fused step with tile norms is bitwise the gradient
+    mode's step from the materialized gradient, and unlike an unclipped step (plain SGD:
+    the step is the clipped gradient itself)."""
+    models, optimizers = _pair(device, lambda: fk.SGD(lr=0.1))
+    unclipped = copy.deepcopy(models[0])
+    trainers = [fk.Trainer(m, o, max_norm=0.05, clipping="previous-norm", norm=n)
+                for m, o, n in zip(models, optimizers, fk.training.NORMS)]
+    for trainer, model in zip(trainers, models):
+        trainer.last_norm = torch.tensor(2.0, device=device)
+        trainer.step(_closures(model, device, 0))
+    _assert_same_training_state(*models, *optimizers)
+    fk.Trainer(unclipped, torch.optim.AdamW(fk.unfused_parameters(unclipped), lr=3e-3)).step(
+        _closures(unclipped, device, 0))
+    layer = fk.fused_layers(models[0])[0].forge_name
+    assert not torch.equal(models[0].state_dict()[layer + ".weight"], unclipped.state_dict()[layer + ".weight"])
+
+
 def test_tile_norms_global_norm_is_within_the_bound_of_clip_grad_norm_s(device):
     """Clipping active: the global norm from tile norms and clip_grad_norm_'s differ by
     less than the sum of their bounds to the exact norm (proofs/gradient_norm.md: the
@@ -172,6 +192,8 @@ def test_tile_norms_need_the_fused_path(device):
                    norm="tiles")
     with pytest.raises(ValueError, match="norm must be one of"):
         fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), max_norm=1.0, norm="tile")
+    with pytest.raises(ValueError, match="without max_norm nothing clips"):
+        fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), norm="tiles")
 
 
 @pytest.mark.exactness
@@ -294,15 +316,19 @@ def test_clipping_with_fused_accumulation_is_refused(device):
         assert torch.equal(layer.weight, before) and int(layer.forge_step) == 0
 
 
-@pytest.mark.parametrize("gradients", fk.training.GRADIENTS)
+@pytest.mark.parametrize("gradients, norm", [("fused", "gradient"), ("materialized", "gradient"), ("fused", "tiles")])
 @pytest.mark.parametrize("scale", [float("inf"), 1e38], ids=["inf-loss", "norm-overflows"])
-def test_non_finite_gradient_norm_steps_nothing(scale, gradients, device):
-    """A NaN/inf gradient, or a finite one whose norm overflows, is found before any step."""
+def test_non_finite_gradient_norm_steps_nothing(scale, gradients, norm, device):
+    """A NaN/inf gradient, or a finite one whose norm overflows, is found before any step;
+    an infinite loss makes the fused layers' operands non-finite, which is named as such."""
     model = fk.fuse(_gpt(device), fk.AdamW())
-    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), max_norm=1.0, gradients=gradients)
+    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), max_norm=1.0, gradients=gradients,
+                         norm=norm)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(FloatingPointError, match="nothing was"):
+    with pytest.raises(FloatingPointError, match="nothing was") as raised:
         trainer.step(_closures(model, device, 0, scale=scale))
+    if scale == float("inf") and gradients == "fused":
+        assert isinstance(raised.value, fk.NonFiniteInputError)
     for name, value in model.state_dict().items():
         assert_bitwise_equal(value, before[name], name)
     assert all(p.grad is None for p in model.parameters())

@@ -50,14 +50,19 @@ def accumulation_rtol(backend: str, operand_dtype: torch.dtype, length: int) -> 
 
 def gradient_norm_bound(exact_norm: float, rows: int, cols: int, block_n: int, block_k: int) -> float:
     """Bound on |weight_gradient_norm - ‖G‖₂| for the fp32 gradient G (rows x cols, its
-    elements exact inputs) summed in block_n x block_k tiles, any order inside a tile
-    (proofs/gradient_norm.md): each square rounded once in fp32, a tile's m squares
-    summed in fp32 (γ_{m-1}), the tiles' sums in float64 (γ_{t-1}), the square root in
-    float64 and the cast to fp32 (one rounding each); plus every square's underflow."""
+    elements exact inputs) summed in block_n x block_k tiles, any order inside a tile and
+    over the tiles (proofs/gradient_norm.md): each square rounded once in fp32, a tile's m
+    squares summed in fp32 (γ_{m-1}), the tiles' sums in float64 (γ_{t-1}), the square
+    root in float64 and the cast to fp32 (one rounding each); plus every square's
+    gradual underflow. It assumes no tile's sum overflows fp32 (the norm is then infinite)."""
     m = min(block_n, rows) * min(block_k, cols)
     tiles = -(-rows // block_n) * -(-cols // block_k)
     u32, u64 = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.float64]
     factor = (1 + u32) * (1 + gamma(max(m - 1, 0), u32)) * (1 + gamma(max(tiles - 1, 0), u64))
     squares_error = exact_norm ** 2 * (factor - 1) + rows * cols * FP32_SUBNORMAL_SPACING * factor
-    root_error = squares_error ** 0.5 if exact_norm == 0 else min(squares_error / exact_norm, squares_error ** 0.5)
+    # |√S − N| = |S − N²| / (√S + N), and √S ≥ √(N² − D): about D / 2N; never more than √D.
+    root_error = squares_error ** 0.5
+    if exact_norm > 0:
+        lowest_root = max(exact_norm ** 2 - squares_error, 0.0) ** 0.5
+        root_error = min(squares_error / (exact_norm + lowest_root), root_error)
     return root_error * (1 + u64) * (1 + u32) + exact_norm * ((1 + u64) * (1 + u32) - 1)

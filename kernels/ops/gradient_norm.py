@@ -11,10 +11,12 @@ The result is deterministic (a function of x, dy and the config) but is not
 ``torch.linalg.vector_norm`` of the gradient bit for bit: the squares are summed in
 another order. Its distance from the exact norm of the same dW is bounded in
 ``proofs/gradient_norm.md`` (``forge_verify.numerics.tolerances.gradient_norm_bound``).
-Each tile's sum is the same reduction of the same elements as ``square_sums`` applied to
-the materialized gradient (bitwise: ``tests/test_gradient_norm.py``). Under the
-interpreter every sum is a running sum in one order, so its bits do not depend on the
-CPU (``proofs/interpreter_reduction.md``); compiled, a tile is summed as a tree.
+Under the interpreter every sum is a running sum in one order, so its bits do not depend
+on the CPU (``proofs/interpreter_reduction.md``), and each tile's sum is bitwise
+``square_sums`` of the materialized gradient (``tests/test_gradient_norm.py``). Compiled,
+Triton sums a tile as a tree whose shape follows the tile's register layout (the
+matrix instructions' for the tile loop, a load's for ``square_sums``), so there the two
+agree within the bound, not necessarily in every bit.
 """
 
 import torch
@@ -71,8 +73,9 @@ def _square_sums_kernel(x_ptr, dy_ptr, grad_ptr, sums_ptr, T, N, K, stride_xt, s
 
 @triton.jit
 def _total_kernel(sums_ptr, total_ptr, count, BLOCK: tl.constexpr):
-    """Σ of ``count`` fp32 values in float64, in index order: each block as running sums
-    (its last prefix picked exactly), the blocks' sums added one after another."""
+    """Σ of ``count`` fp32 values in float64: each block as running sums (its last prefix
+    picked exactly; in index order under the interpreter, a tree when compiled), the
+    blocks' sums added one after another."""
     offs = tl.arange(0, BLOCK)
     last = offs == BLOCK - 1
     total = tl.full((), 0.0, tl.float64)
@@ -104,7 +107,7 @@ def launch_square_sums(N, K, config, *, x=None, dy=None, grad=None) -> torch.Ten
 
 
 def launch_norm(sums: torch.Tensor) -> torch.Tensor:
-    """√(Σ sums), the sum in float64 in index order, returned as a float32 scalar tensor."""
+    """√(Σ sums), the sum in float64 (``_total_kernel``), returned as a float32 scalar tensor."""
     total = torch.zeros((), dtype=torch.float64, device=sums.device)
     if sums.numel():
         _total_kernel[(1,)](sums, total, sums.numel(), BLOCK=_SUM_BLOCK, enable_fp_fusion=False)
