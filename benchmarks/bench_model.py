@@ -19,6 +19,15 @@ same step in one CUDA graph, ``AdamW(fused=True, capturable=True)``, as torch do
 whole-network capture). Variant ``q8`` (bf16 weights, 8-bit FORGE state; torch keeps
 bf16 state: its rows are the ``bf16`` variant's torch rows) exists for the memory runs.
 
+``--max-norm C`` clips every method's step by global norm at C: torch by
+``clip_grad_norm_`` before its optimizer (in the graph for ``torch captured``); FORGE by
+previous-norm clipping (APPROXIMATE: the factor of the previous step's norm), through
+``fk.Trainer(..., clipping="previous-norm")`` for ``forge deferred`` and
+``fk.CapturedStep(..., optimizer=, max_norm=, clipping="previous-norm")`` for ``forge
+captured``, each fused layer's norm from its materialized gradient (``--norm gradient``)
+or its tile loop (``--norm tiles``, no gradient stored). ``forge`` (raise) has no
+clipping variant.
+
 ``--fit-under GB`` instead finds, per variant and method, the largest micro-batch of
 ``--tokens`` sequences whose step fits under that cap
 (``torch.cuda.set_per_process_memory_fraction``), by doubling then bisection.
@@ -86,7 +95,7 @@ def build(layers, dtype, seed=0):
     return model.to(dtype)
 
 
-def variant(name, method, layers, tokens, configs, batch=1):
+def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient"):
     dtype = torch.float32 if name == "fp32-master" else torch.bfloat16
     model = build(layers, dtype)
     deferred = method in ("forge deferred", "forge captured")
@@ -102,14 +111,28 @@ def variant(name, method, layers, tokens, configs, batch=1):
     optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True, capturable=captured)
     x = torch.randn(batch, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
-    def step_fn():
-        optimizer.zero_grad(set_to_none=True)
+    def forward_backward():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "fp32-master"):
             loss = model(x.to(dtype) if dtype == torch.bfloat16 else x).float().square().mean()
         loss.backward()
+        return loss
+
+    def step_fn():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         return loss
 
+    if max_norm is not None and method.startswith("forge"):
+        if method == "forge captured":
+            return model, fk.CapturedStep(model, forward_backward, optimizer=optimizer, max_norm=max_norm,
+                                          clipping="previous-norm", norm=norm)
+        if method != "forge deferred":
+            raise SystemExit(f"--max-norm: {method!r} has no clipping variant (use forge deferred or forge captured)")
+        trainer = fk.Trainer(model, optimizer, max_norm=max_norm, clipping="previous-norm", norm=norm)
+        return model, lambda: trainer.step(forward_backward)
     if method == "forge captured":
         return model, fk.CapturedStep(model, step_fn)
     if method == "torch captured":
@@ -144,12 +167,12 @@ def torch_graph(step_fn, warmup=1):
     return step
 
 
-def fits(name, method, layers, tokens, configs, batch) -> bool:
+def fits(name, method, layers, tokens, configs, batch, **clipping) -> bool:
     """Whether ``batch`` sequences of ``tokens`` take two steps (the first makes torch's
     optimizer state) under the process's memory cap."""
     model = step = None
     try:
-        model, step = variant(name, method, layers, tokens, configs, batch)
+        model, step = variant(name, method, layers, tokens, configs, batch, **clipping)
         step()
         step()
         torch.cuda.synchronize()
@@ -162,13 +185,13 @@ def fits(name, method, layers, tokens, configs, batch) -> bool:
         torch.cuda.empty_cache()
 
 
-def largest_batch(name, method, layers, tokens, configs, limit=256) -> int:
+def largest_batch(name, method, layers, tokens, configs, limit=256, **clipping) -> int:
     low, high = 0, 1
-    while high <= limit and fits(name, method, layers, tokens, configs, high):
+    while high <= limit and fits(name, method, layers, tokens, configs, high, **clipping):
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if fits(name, method, layers, tokens, configs, middle) else (low, middle)
+        low, high = (middle, high) if fits(name, method, layers, tokens, configs, middle, **clipping) else (low, middle)
     return low
 
 
@@ -199,13 +222,16 @@ def main(argv=None):
     parser.add_argument("--methods", default="torch,forge,forge deferred")
     parser.add_argument("--fit-under", type=float, default=None, metavar="GB",
                         help="find the largest micro-batch under this memory cap instead of timing")
+    parser.add_argument("--max-norm", type=float, default=None, help="clip every method's step by global norm")
+    parser.add_argument("--norm", choices=("gradient", "tiles"), default="gradient",
+                        help="with --max-norm, how FORGE takes each fused layer's norm")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_model.py measures on a GPU; none is visible here")
     configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "commit": os.environ.get("FORGE_COMMIT", "unknown"),
-            "layers": args.layers}
+            "layers": args.layers, "max_norm": args.max_norm, "norm": args.norm if args.max_norm else None}
     rows = []
     methods = args.methods.split(",")
     if args.fit_under is not None:
@@ -217,13 +243,15 @@ def main(argv=None):
                 if name == "q8" and not method.startswith("forge"):
                     continue  # torch has no q8 state: the bf16 variant's torch rows are the comparison
                 if args.fit_under is not None:
-                    batch = largest_batch(name, method, args.layers, tokens, configs)
+                    batch = largest_batch(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
+                                          norm=args.norm)
                     rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
                                  "cap_gb": args.fit_under, "largest_batch": batch})
                     print(f"T={tokens:5d} {name:11s} {method:14s} largest micro-batch under {args.fit_under:g} GB: "
                           f"{batch}", flush=True)
                     continue
-                model, step = variant(name, method, args.layers, tokens, configs)
+                model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
+                                      norm=args.norm)
                 median, low, high, peak = measure(step, args.warmup, args.steps)
                 rows.append({**meta, "tokens": tokens, "variant": name, "method": method, "median_ms": f"{median:.3f}",
                              "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak})

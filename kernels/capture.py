@@ -74,6 +74,14 @@ exact step sets it from its norm, as the Trainer's does) set to the new norm whe
 every fused step are finite. A non-finite norm leaves ``last_norm`` as it was, skips the
 optimizer, and the check raises the Trainer's FloatingPointError (the fused layers have
 stepped, the torch optimizer has not), stopping the capture.
+``norm="tiles"`` (with ``max_norm``) takes each fused layer's norm as
+``fk.Trainer(..., norm="tiles")`` does: from the tile loop (``weight_gradient_norm``: one
+float per tile, within the bound of ``proofs/gradient_norm.md`` of the exact norm, not
+``clip_grad_norm_``'s bits), the layer stepping through the fused kernel with the device
+coefficient, so no fused layer's gradient is stored in any step; bitwise that Trainer
+(``tests/test_captured_clipping.py``, on a GPU). It costs a second tile loop per layer
+(measured on an H200, ``benchmarks/probe_gradient_norm.py``: 0.27-0.43x the fused step at
+512-1,024 tokens, less than materializing the gradient for its norm).
 ``clipping="exact"`` is refused: it needs two forward/backward passes per step with the
 RNG rewound between them, and a ``CapturedStep`` records one pass of ``step_fn``.
 
@@ -97,9 +105,9 @@ from .linear import ForgeLinear
 from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.step_scalars import StepScalarsGroup
-from .training import (CLIPPING, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, check_max_norm,
-                       check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error, rng_rewinder,
-                       scale_unfused_gradients, set_aside_clipped_gradients, total_norm)
+from .training import (CLIPPING, NORMS, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _layer_norm,
+                       check_max_norm, check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error,
+                       rng_rewinder, scale_unfused_gradients, set_aside_clipped_gradients, total_norm)
 
 CHECKS = ("every step", "manual")
 
@@ -124,6 +132,14 @@ def _check_clipping(max_norm, clipping):
                          "spike passes unclipped on its step; see fk.Trainer's clipping='previous-norm'): pass "
                          "clipping='previous-norm' to accept it, or train uncaptured with fk.Trainer for exact "
                          "clipping")
+
+
+def _check_norm(norm, max_norm):
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm != "gradient" and max_norm is None:
+        raise ValueError("norm='tiles' says how clipping takes the layers' norms; without max_norm nothing clips: "
+                         "set max_norm, or leave norm at its default")
 
 
 def _check_last_norm(last_norm, max_norm):
@@ -159,7 +175,8 @@ class CapturedStep:
     """See the module docstring. ``model``'s fused layers must all be at one step and on
     one CUDA device; each call takes the next step. ``optimizer``: the torch optimizer of
     the unfused parameters, stepped by the call (not by ``step_fn``); ``max_norm`` and
-    ``clipping="previous-norm"``: global-norm clipping as ``fk.Trainer``'s; ``last_norm``:
+    ``clipping="previous-norm"``: global-norm clipping as ``fk.Trainer``'s, the fused layers'
+    norms from their gradients or (``norm="tiles"``) their tile loops; ``last_norm``:
     the global norm the next step's clip factor comes from (None without ``max_norm`` and
     before the first call), one device tensor updated in place at each step (``clone()``
     it to keep a step's value), and what a checkpoint keeps to resume: pass it back as
@@ -167,7 +184,7 @@ class CapturedStep:
     step is the previous-norm step an uninterrupted run takes, not an exact first step."""
 
     def __init__(self, model: torch.nn.Module, step_fn, *, optimizer=None, max_norm=None, clipping=None,
-                 last_norm=None, warmup: int = 1, check: str = "every step"):
+                 norm="gradient", last_norm=None, warmup: int = 1, check: str = "every step"):
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if check not in CHECKS:
@@ -175,6 +192,7 @@ class CapturedStep:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an integer >= 1 (eager steps before capture), got {warmup!r}")
         _check_clipping(max_norm, clipping)
+        _check_norm(norm, max_norm)
         _check_last_norm(last_norm, max_norm)
         layers = [m for m in model.modules() if isinstance(m, ForgeLinear)]
         if not layers:
@@ -203,7 +221,7 @@ class CapturedStep:
             raise RuntimeError(f"the fused layers are at different steps {sorted(steps)}: a captured step advances "
                                "them together, so it needs them at one step (did some layer take no backward?)")
         self.model, self.step_fn, self.check_mode, self.layers = model, step_fn, check, layers
-        self.optimizer, self.max_norm = optimizer, max_norm
+        self.optimizer, self.max_norm, self.norm = optimizer, max_norm, norm
         self.last_norm = None if last_norm is None else last_norm.detach().to(layers[0].weight.device, copy=True)
         self.step = steps.pop()     # the step the latest call took
         self.graph = self.loss = None
@@ -214,7 +232,7 @@ class CapturedStep:
         # What the fused layers' backwards do, for the pass of step_fn under way (see _step_layer).
         self._pass = None           # None (not this object's run), "step" or "measure"
         self._seen = set()          # the layers that took a backward in this pass
-        self._norms = None          # id(weight) -> the fp32 gradient's norm, when norms are taken
+        self._norms = None          # id(weight) -> the layer's gradient norm, when norms are taken
         self._inputs = None         # an _InputCheck of the gradients' operands, in a measuring pass
         self._grad_scale = 1.0       # the fused steps' grad_scale: a number, or the device clip coefficient
         self._device = devices.pop()
@@ -420,7 +438,9 @@ class CapturedStep:
         for ``check``, its ``forge_step`` advanced on the device: through the fused kernel,
         or, where norms are taken (previous-norm clipping), from the materialized gradient
         whose norm it keeps, as ``fk.Trainer`` does. A backward outside this object's own
-        runs of ``step_fn`` is refused: it would step the layer a second time."""
+        runs of ``step_fn`` is refused: it would step the layer a second time. With
+        ``norm="tiles"`` the norm comes from the tile loop (``weight_gradient_norm``) and
+        the layer steps through the fused kernel: no gradient is stored."""
         if self._pass is None:
             raise RuntimeError(f"fused layer {layer.forge_name!r} is captured by a CapturedStep: its steps are "
                                "the CapturedStep's calls. Call it, or its release(), not the model's backward")
@@ -432,8 +452,11 @@ class CapturedStep:
         with torch.no_grad():
             grad = None
             if self._norms is not None:
-                grad = _layer_gradient(layer, x2d, dy2d, self._inputs)
-                self._norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
+                if self.norm == "tiles":
+                    self._norms[id(layer.weight)] = _layer_norm(layer, x2d, dy2d, self.norm, self._inputs)
+                else:
+                    grad = _layer_gradient(layer, x2d, dy2d, self._inputs)
+                    self._norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
                 if self._pass == "measure":
                     return
             scalars = self._scalars[layer]

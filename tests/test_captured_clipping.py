@@ -73,19 +73,22 @@ def _batches(dtype):
 @needs_cuda
 @uncaptured_capturable
 @pytest.mark.exactness
-@pytest.mark.parametrize("max_norm", [MAX_NORM, None], ids=["previous-norm", "no-clipping"])
+@pytest.mark.parametrize("max_norm, norm", [(MAX_NORM, "gradient"), (MAX_NORM, "tiles"), (None, "gradient")],
+                         ids=["previous-norm", "previous-norm-tiles", "no-clipping"])
 @pytest.mark.parametrize("regime", sorted(REGIMES))
-def test_captured_steps_are_bitwise_the_trainers(regime, max_norm):
+def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm):
     """Step 1 (exact, two passes, eager), one warm-up step, the capture and four replays:
     after each, the loss, the global norm, every weight, fused state slot and step count,
-    and the torch optimizer's state equal those of fk.Trainer with the same clipping. The
-    captured steps include steps scaled by the previous norm's factor and steps not."""
+    and the torch optimizer's state equal those of fk.Trainer with the same clipping and
+    the same fused norms (from the gradients, or from the tile loops). The captured steps
+    include steps scaled by the previous norm's factor and steps not."""
     (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair(regime)
     clipping = None if max_norm is None else "previous-norm"
-    trainer = fk.Trainer(eager, eager_optimizer, max_norm=max_norm, clipping=clipping or "exact")
+    trainer = fk.Trainer(eager, eager_optimizer, max_norm=max_norm, clipping=clipping or "exact", norm=norm)
     dtype = REGIMES[regime][0]
     static_x, static_scale = torch.empty(24, 48, device="cuda", dtype=dtype), torch.ones((), device="cuda")
-    step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=max_norm, clipping=clipping)
+    step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=max_norm, clipping=clipping,
+                     norm=norm)
     norms = []
     for index, (x, scale) in enumerate(zip(_batches(dtype), SCALES)):
         static_x.copy_(x)
@@ -162,6 +165,31 @@ def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_rai
 
 @needs_cuda
 @uncaptured_capturable
+def test_tile_norms_store_no_gradient_in_any_step(monkeypatch):
+    """norm="tiles": neither the exact first step, the warm-up, the capture nor a replay
+    materializes a fused layer's gradient or steps one from a gradient (both are made to
+    fail), and the captured steps still clip."""
+    (_, graphed), (_, optimizer) = _pair("fp32")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fused layer's gradient was materialized")
+    monkeypatch.setattr(fk.training, "weight_gradient", refuse)
+    monkeypatch.setattr(fk.capture, "apply_rule", refuse)
+    static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
+    step = _captured(graphed, optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm",
+                     norm="tiles")
+    norms = []
+    for x, scale in zip(_batches(torch.float32), SCALES):
+        static_x.copy_(x)
+        static_scale.fill_(scale)
+        step()
+        norms.append(float(step.last_norm))
+    assert step.graph is not None and any(norm > MAX_NORM for norm in norms[1:-1]), norms
+    step.release()
+
+
+@needs_cuda
+@uncaptured_capturable
 def test_a_non_finite_norm_in_the_exact_first_step_steps_nothing():
     """The first step clips exactly, as the Trainer's: a non-finite norm is found before any
     step, and the layers are released where they were."""
@@ -205,6 +233,10 @@ def test_clipping_under_capture_refuses_what_it_cannot_do(device):
         capture(optimizer=torch.optim.AdamW(unfused))
     with pytest.raises(ValueError, match="capturable=False.*make it with capturable=True"):
         capture(optimizer=torch.optim.AdamW(unfused, fused=True))
+    with pytest.raises(ValueError, match="norm must be one of"):
+        capture(max_norm=1.0, clipping="previous-norm", norm="materialized")
+    with pytest.raises(ValueError, match="norm='tiles'.*without max_norm nothing clips"):
+        capture(norm="tiles")
     with pytest.raises(ValueError, match="last_norm= .* needs max_norm"):
         capture(last_norm=torch.tensor(0.5))
     for last_norm in (0.5, torch.tensor([0.5, 0.5]), torch.tensor(1)):
