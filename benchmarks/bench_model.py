@@ -33,7 +33,11 @@ clipping variant.
 (``torch.cuda.set_per_process_memory_fraction``), by doubling then bisection.
 Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
 forward, backward and optimizer); peak is ``torch.cuda.max_memory_allocated`` over the
-timed steps. Writes a CSV and prints a table.
+timed steps, and ``reserved`` ``torch.cuda.max_memory_reserved`` over them, the
+allocator's cache emptied after warm-up: the blocks the live tensors and the steps take,
+and a captured graph's private pool, which holds what its step allocates (a replayed
+graph allocates nothing, so for the captured methods only ``reserved`` shows the
+transient memory inside the step). Writes a CSV and prints a table.
 
     python3 benchmarks/bench_model.py --out benchmarks/results/model/h200.csv
 """
@@ -111,9 +115,12 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
     optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True, capturable=captured)
     x = torch.randn(batch, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
-    def forward_backward():
+    def loss_fn():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "fp32-master"):
-            loss = model(x.to(dtype) if dtype == torch.bfloat16 else x).float().square().mean()
+            return model(x.to(dtype) if dtype == torch.bfloat16 else x).float().square().mean()
+
+    def forward_backward():
+        loss = loss_fn()
         loss.backward()
         return loss
 
@@ -132,7 +139,7 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
         if method != "forge deferred":
             raise SystemExit(f"--max-norm: {method!r} has no clipping variant (use forge deferred or forge captured)")
         trainer = fk.Trainer(model, optimizer, max_norm=max_norm, clipping="previous-norm", norm=norm)
-        return model, lambda: trainer.step(forward_backward)
+        return model, lambda: trainer.step(loss_fn)
     if method == "forge captured":
         return model, fk.CapturedStep(model, step_fn)
     if method == "torch captured":
@@ -199,6 +206,7 @@ def measure(step, warmup, steps):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
@@ -208,7 +216,8 @@ def measure(step, warmup, steps):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), min(times), max(times), torch.cuda.max_memory_allocated()
+    return (statistics.median(times), min(times), max(times), torch.cuda.max_memory_allocated(),
+            torch.cuda.max_memory_reserved())
 
 
 def main(argv=None):
@@ -252,11 +261,12 @@ def main(argv=None):
                     continue
                 model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
                                       norm=args.norm)
-                median, low, high, peak = measure(step, args.warmup, args.steps)
+                median, low, high, peak, reserved = measure(step, args.warmup, args.steps)
                 rows.append({**meta, "tokens": tokens, "variant": name, "method": method, "median_ms": f"{median:.3f}",
-                             "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak})
-                print(f"T={tokens:5d} {name:11s} {method:14s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB",
-                      flush=True)
+                             "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak,
+                             "peak_reserved_bytes": reserved})
+                print(f"T={tokens:5d} {name:11s} {method:14s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB  "
+                      f"reserved {reserved / 2**30:6.2f} GiB", flush=True)
                 # A fused layer and its weight's hook refer to each other: without a collection
                 # the model outlives `del` and its weights and state count in the next peak.
                 del model, step
