@@ -78,10 +78,13 @@ stepped, the torch optimizer has not), stopping the capture.
 ``fk.Trainer(..., norm="tiles")`` does: from the tile loop (``weight_gradient_norm``: one
 float per tile, within the bound of ``proofs/gradient_norm.md`` of the exact norm, not
 ``clip_grad_norm_``'s bits), the layer stepping through the fused kernel with the device
-coefficient, so no fused layer's gradient is stored in any step; bitwise that Trainer
-(``tests/test_captured_clipping.py``, on a GPU). It costs a second tile loop per layer
-(measured on an H200, ``benchmarks/probe_gradient_norm.py``: 0.27-0.43x the fused step at
-512-1,024 tokens, less than materializing the gradient for its norm).
+coefficient, so no fused layer's gradient is stored in any step (``oracle=False``, the
+default); bitwise that Trainer (``tests/test_captured_clipping.py``, on a GPU). It costs a
+second tile loop per layer (measured on an H200, ``benchmarks/probe_gradient_norm.py``:
+0.27-0.43x the fused step at 512-1,024 tokens, 0.70-0.79x at 4,096). Gradient norms step
+from the gradient with the rule's own kernel instead of the fused step, so at 4,096 tokens
+their whole step was the faster (two Llama-3-8B-shaped blocks: 26.9 against 29.9 ms,
+bf16; at 512 tokens 9.8 against 7.7 ms), at the cost of the largest layer's fp32 gradient.
 ``clipping="exact"`` is refused: it needs two forward/backward passes per step with the
 RNG rewound between them, and a ``CapturedStep`` records one pass of ``step_fn``.
 
@@ -127,6 +130,9 @@ def _check_clipping(max_norm, clipping):
                          "CapturedStep records one pass of step_fn. Capture with clipping='previous-norm' "
                          "(APPROXIMATE: step t scaled by step t-1's norm, one pass), or clip exactly uncaptured with "
                          "fk.Trainer(model, optimizer, max_norm=...)")
+    if max_norm is None and clipping is not None:
+        raise ValueError(f"clipping={clipping!r} says how max_norm clips; without max_norm nothing clips: set "
+                         "max_norm, or leave clipping unset")
     if max_norm is not None and clipping is None:
         raise ValueError("a captured step clips by the previous step's global norm, which is APPROXIMATE (a gradient "
                          "spike passes unclipped on its step; see fk.Trainer's clipping='previous-norm'): pass "

@@ -19,6 +19,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 uncaptured_capturable = pytest.mark.filterwarnings("ignore:This instance was constructed with capturable=True")
 REGIMES = {"fp32": (torch.float32, "fp32"), "bf16": (torch.bfloat16, "bf16"), "q8": (torch.bfloat16, "q8")}
 CONFIG = fk.TileConfig(block_n=32, block_k=32, block_t=32)
+# The tuned fp32 tile of the H200 benchmarks: the Hopper split kernel in row parts.
+HOPPER = fk.TileConfig(128, 128, 64, 8, 3, epilogue_split=8, kernel="hopper", epilogue_axis="rows")
+on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                               reason="the hopper kernel runs on compute capability 9.x GPUs only")
 MAX_NORM = 0.25
 # The loss scale of each step: the global norm goes above MAX_NORM on the scaled steps and
 # stays below it on the others (about 0.2-0.3 unscaled, 0.5-0.7 scaled, on the CPU).
@@ -31,12 +35,12 @@ def _base(device, dtype):
     return nn.Sequential(nn.Linear(48, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 40)).to(device, dtype)
 
 
-def _pair(regime):
+def _pair(regime, config=CONFIG):
     """The same fused model twice, each with its own fused, capturable torch AdamW."""
     dtype, state_format = REGIMES[regime]
     base = _base("cuda", dtype)
     models = [fk.fuse(copy.deepcopy(base), fk.AdamW(lr=1e-2, weight_decay=0.1), state_format=state_format,
-                      config=CONFIG, seed=7, report="defer") for _ in range(2)]
+                      config=config, seed=7, report="defer") for _ in range(2)]
     optimizers = [torch.optim.AdamW(fk.unfused_parameters(m), lr=3e-3, fused=True, capturable=True) for m in models]
     return models, optimizers
 
@@ -73,16 +77,19 @@ def _batches(dtype):
 @needs_cuda
 @uncaptured_capturable
 @pytest.mark.exactness
-@pytest.mark.parametrize("max_norm, norm", [(MAX_NORM, "gradient"), (MAX_NORM, "tiles"), (None, "gradient")],
-                         ids=["previous-norm", "previous-norm-tiles", "no-clipping"])
+@pytest.mark.parametrize("max_norm, norm, config", [
+    (MAX_NORM, "gradient", CONFIG), (MAX_NORM, "tiles", CONFIG), (None, "gradient", CONFIG),
+    pytest.param(MAX_NORM, "tiles", HOPPER, marks=on_hopper)],
+    ids=["previous-norm", "previous-norm-tiles", "no-clipping", "previous-norm-tiles-hopper"])
 @pytest.mark.parametrize("regime", sorted(REGIMES))
-def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm):
+def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm, config):
     """Step 1 (exact, two passes, eager), one warm-up step, the capture and four replays:
     after each, the loss, the global norm, every weight, fused state slot and step count,
     and the torch optimizer's state equal those of fk.Trainer with the same clipping and
     the same fused norms (from the gradients, or from the tile loops). The captured steps
-    include steps scaled by the previous norm's factor and steps not."""
-    (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair(regime)
+    include steps scaled by the previous norm's factor and steps not. The Hopper case
+    steps through that kernel, its clip factor a device tensor inside the graph."""
+    (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair(regime, config)
     clipping = None if max_norm is None else "previous-norm"
     trainer = fk.Trainer(eager, eager_optimizer, max_norm=max_norm, clipping=clipping or "exact", norm=norm)
     dtype = REGIMES[regime][0]
@@ -114,8 +121,9 @@ def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm):
 
 @needs_cuda
 @uncaptured_capturable
+@pytest.mark.parametrize("norm", fk.training.NORMS)
 @pytest.mark.parametrize("poison", ["unfused gradient", "input", "fused state"])
-def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_raises(poison):
+def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_raises(poison, norm):
     """On the fifth step (a replay), an unfused gradient made infinite (the global norm is
     not finite; the fused layers have stepped), a NaN input (the fused layers write
     nothing), or an infinite first moment in one fused weight's state (its tile is not
@@ -127,9 +135,10 @@ def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_rai
     factor = torch.ones((), device="cuda")  # 1, or inf on the poisoned step: read in the graph too
     for model in (eager, graphed):
         model[1].weight.register_hook(lambda grad: grad * factor)  # the LayerNorm's weight: unfused
-    trainer = fk.Trainer(eager, eager_optimizer, max_norm=MAX_NORM, clipping="previous-norm")
+    trainer = fk.Trainer(eager, eager_optimizer, max_norm=MAX_NORM, clipping="previous-norm", norm=norm)
     static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
-    step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm")
+    step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm",
+                     norm=norm)
     error, message = {"unfused gradient": (FloatingPointError, "the fused layers have stepped"),
                       "input": (fk.NonFiniteInputError, "non-finite"),
                       "fused state": (fk.NonFiniteUpdateError, "non-finite")}[poison]
@@ -173,7 +182,11 @@ def test_tile_norms_store_no_gradient_in_any_step(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fused layer's gradient was materialized")
+    # Every way to a fused layer's gradient: the Trainer's and the capture's helper, the
+    # kernel launch under them (and under an oracle step), and a step from a gradient.
     monkeypatch.setattr(fk.training, "weight_gradient", refuse)
+    monkeypatch.setattr(fk.capture, "_layer_gradient", refuse)
+    monkeypatch.setattr(fk.ops.fused_weight_update, "launch_weight_gradient", refuse)
     monkeypatch.setattr(fk.capture, "apply_rule", refuse)
     static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
     step = _captured(graphed, optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm",
@@ -190,14 +203,16 @@ def test_tile_norms_store_no_gradient_in_any_step(monkeypatch):
 
 @needs_cuda
 @uncaptured_capturable
-def test_a_non_finite_norm_in_the_exact_first_step_steps_nothing():
+@pytest.mark.parametrize("norm", fk.training.NORMS)
+def test_a_non_finite_norm_in_the_exact_first_step_steps_nothing(norm):
     """The first step clips exactly, as the Trainer's: a non-finite norm is found before any
     step, and the layers are released where they were."""
     (_, graphed), (_, optimizer) = _pair("fp32")
     graphed[1].weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
     before = {k: v.clone() for k, v in graphed.state_dict().items()}
     static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
-    step = _captured(graphed, optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm")
+    step = _captured(graphed, optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm",
+                     norm=norm)
     static_x.copy_(next(_batches(torch.float32)))
     with pytest.raises(FloatingPointError, match="nothing was stepped"):
         step()
@@ -233,6 +248,8 @@ def test_clipping_under_capture_refuses_what_it_cannot_do(device):
         capture(optimizer=torch.optim.AdamW(unfused))
     with pytest.raises(ValueError, match="capturable=False.*make it with capturable=True"):
         capture(optimizer=torch.optim.AdamW(unfused, fused=True))
+    with pytest.raises(ValueError, match="clipping='previous-norm' says how max_norm clips; without max_norm"):
+        capture(clipping="previous-norm")
     with pytest.raises(ValueError, match="norm must be one of"):
         capture(max_norm=1.0, clipping="previous-norm", norm="materialized")
     with pytest.raises(ValueError, match="norm='tiles'.*without max_norm nothing clips"):
