@@ -77,11 +77,12 @@ def _batches(dtype):
 @needs_cuda
 @uncaptured_capturable
 @pytest.mark.exactness
-@pytest.mark.parametrize("max_norm, norm, config", [
-    (MAX_NORM, "gradient", CONFIG), (MAX_NORM, "tiles", CONFIG), (None, "gradient", CONFIG),
-    pytest.param(MAX_NORM, "tiles", HOPPER, marks=on_hopper)],
-    ids=["previous-norm", "previous-norm-tiles", "no-clipping", "previous-norm-tiles-hopper"])
-@pytest.mark.parametrize("regime", sorted(REGIMES))
+@pytest.mark.parametrize("regime, max_norm, norm, config", [
+    *[pytest.param(regime, max_norm, norm, CONFIG, id=f"{regime}-{name}") for regime in sorted(REGIMES)
+      for name, max_norm, norm in [("previous-norm", MAX_NORM, "gradient"), ("previous-norm-tiles", MAX_NORM, "tiles"),
+                                   ("no-clipping", None, "gradient")]],
+    # The Hopper kernel takes bf16 activations and fp32 or bf16 state (the others run portable).
+    pytest.param("bf16", MAX_NORM, "tiles", HOPPER, id="bf16-previous-norm-tiles-hopper", marks=on_hopper)])
 def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm, config):
     """Step 1 (exact, two passes, eager), one warm-up step, the capture and four replays:
     after each, the loss, the global norm, every weight, fused state slot and step count,
