@@ -45,9 +45,10 @@ STORAGE = {"fp32": ("fp32", "fp32", False), "bf16-sr": ("bf16", "bf16", True), "
 INTEGER_ARGS = ("T", "N", "K", "KB", "stride_xt", "stride_dyt")
 
 
-def compile_sm90(regime: str, config: tuple, stochastic: bool):
+def compile_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False):
     """The kernel for AdamW on a 4096-wide weight in ``regime``, specialized as a launch
-    on the H200 would specialize it (16-byte aligned pointers, unit inner strides)."""
+    on the H200 would specialize it (16-byte aligned pointers, unit inner strides); with
+    ``square_sums``, keeping each tile's sum of squares (``fused_weight_update(..., square_sums=)``)."""
     weight, state, _ = STORAGE[regime]
     exponents = "i8" if regime == "q8" else weight
     block_n, block_k, block_t, warps, stages = config[:5]
@@ -61,11 +62,11 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool):
                      T="i32", N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32",
                      stride_xt="i32", stride_xk="constexpr", stride_dyt="i32", stride_dyn="constexpr",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64",
-                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}")
+                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}", sums_ptr="*fp32")
     constants = dict(stride_xk=1, stride_dyn=1, RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True,
                      HAS_S2=False, W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8",
                      STOCHASTIC=stochastic, NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False,
-                     DEVICE_GRAD_SCALE=False,
+                     DEVICE_GRAD_SCALE=False, SQUARE_SUMS=square_sums,
                      BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False)
     for name in KERNEL.arg_names:
         if name in constants:
@@ -180,6 +181,8 @@ def main():
     parser.add_argument("--nearest", action="store_true", help="round-to-nearest instead of stochastic rounding")
     parser.add_argument("--listing-sha", action="store_true",
                         help="also print a sha256 of the SASS instructions (the same code before and after a change)")
+    parser.add_argument("--square-sums", action="store_true",
+                        help="the portable kernel keeping its tiles' sums of squares (previous-norm clipping's norm)")
     args = parser.parse_args()
     tuned = json.loads((HERE / "tuned_configs.json").read_text())
     print(f"triton {triton.__version__}, sm_90, AdamW, 4096-wide weight")
@@ -189,7 +192,9 @@ def main():
         for config in configs:
             hopper = config[7:8] == ("hopper",)
             compile_for = compile_hopper_sm90 if hopper else compile_sm90
-            compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest)
+            options = dict(square_sums=True) if args.square_sums and not hopper else {}
+            compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest,
+                                            **options)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)
             listing = sass_listing(compiled.asm["cubin"])
             mix = instruction_mix(listing)

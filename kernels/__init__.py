@@ -17,7 +17,7 @@ from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.update_report import UpdateReport
 from .ops.step_scalars import StepScalars
 from .ops.stochastic_round import stochastic_round
-from .ops.gradient_norm import weight_gradient_norm
+from .ops.gradient_norm import empty_square_sums, norm_from_square_sums, weight_gradient_norm
 from .ops.weight_gradient import weight_gradient
 from .weight_slice import WeightSlice
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, RMSprop, Rule, bias_corrections
@@ -27,6 +27,7 @@ from .zeroth_order import GRZO, MeZO, ZerothOrderStep
 __all__ = [
     "AdamW", "Adam", "SGD", "Lion", "RMSprop", "Adagrad", "Rule", "bias_corrections",
     "TileConfig", "PINNED", "fused_weight_update", "apply_rule", "weight_gradient", "weight_gradient_norm",
+    "empty_square_sums", "norm_from_square_sums",
     "stochastic_round", "StepScalars",
     "ForgeLinear", "ForgeLinearFunction", "fuse", "check_updates", "Trainer", "fused_layers", "unfused_parameters",
     "WeightSlice", "UpdateReport", "ChunkFT", "CapturedStep",

@@ -75,12 +75,15 @@ every fused step are finite. A non-finite norm leaves ``last_norm`` as it was, s
 optimizer, and the check raises the Trainer's FloatingPointError (the fused layers have
 stepped, the torch optimizer has not), stopping the capture.
 ``norm="tiles"`` (with ``max_norm``) takes each fused layer's norm as
-``fk.Trainer(..., norm="tiles")`` does: from the tile loop (``weight_gradient_norm``: one
-float per tile, within the bound of ``proofs/gradient_norm.md`` of the exact norm, not
-``clip_grad_norm_``'s bits), the layer stepping through the fused kernel with the device
-coefficient, so no fused layer's gradient is stored in any step (``oracle=False``, the
-default); bitwise that Trainer (``tests/test_captured_clipping.py``, on a GPU). It costs a
-second tile loop per layer (measured on an H200, ``benchmarks/probe_gradient_norm.py``:
+``fk.Trainer(..., norm="tiles")`` does: from tile sums of squares (one float per tile,
+within the bound of ``proofs/gradient_norm.md`` of the exact norm, not
+``clip_grad_norm_``'s bits), which the fused step keeps as it steps with the device
+coefficient (``fused_weight_update(..., square_sums=)``; the exact first step takes them
+from the tile loop, ``weight_gradient_norm``), so no fused layer's gradient is stored in
+any step (``oracle=False``, the default); bitwise that Trainer
+(``tests/test_captured_clipping.py``, on a GPU). On the portable kernel that costs no
+second pass over the tokens; the Hopper kernels keep no sums yet and run the tile loop
+a second time (measured on an H200 as a separate pass, ``benchmarks/probe_gradient_norm.py``:
 0.27-0.43x the fused step at 512-1,024 tokens, 0.70-0.79x at 4,096). Gradient norms step
 from the gradient with the rule's own kernel instead of the fused step, so at 4,096 tokens
 their whole step was the faster (two Llama-3-8B-shaped blocks: 26.9 against 29.9 ms,
@@ -107,6 +110,7 @@ from .errors import NonFiniteInputError
 from .linear import ForgeLinear
 from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import apply_rule, fused_weight_update
+from .ops.gradient_norm import empty_square_sums, norm_from_square_sums
 from .ops.step_scalars import StepScalarsGroup
 from .training import (CLIPPING, NORMS, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _layer_norm,
                        check_max_norm, check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error,
@@ -445,8 +449,10 @@ class CapturedStep:
         or, where norms are taken (previous-norm clipping), from the materialized gradient
         whose norm it keeps, as ``fk.Trainer`` does. A backward outside this object's own
         runs of ``step_fn`` is refused: it would step the layer a second time. With
-        ``norm="tiles"`` the norm comes from the tile loop (``weight_gradient_norm``) and
-        the layer steps through the fused kernel: no gradient is stored."""
+        ``norm="tiles"`` the layer steps through the fused kernel and no gradient is
+        stored: a measuring pass takes the norm from the tile loop
+        (``weight_gradient_norm``), a stepping pass from the fused step's own tiles' sums
+        (``square_sums``), as ``fk.Trainer`` does."""
         if self._pass is None:
             raise RuntimeError(f"fused layer {layer.forge_name!r} is captured by a CapturedStep: its steps are "
                                "the CapturedStep's calls. Call it, or its release(), not the model's backward")
@@ -456,21 +462,25 @@ class CapturedStep:
                                "backward through each fused layer (no gradient accumulation)")
         self._seen.add(layer)
         with torch.no_grad():
-            grad = None
+            grad = sums = None
             if self._norms is not None:
-                if self.norm == "tiles":
+                if self._pass == "measure":
                     self._norms[id(layer.weight)] = _layer_norm(layer, x2d, dy2d, self.norm, self._inputs)
+                    return
+                if self.norm == "tiles":
+                    sums = empty_square_sums(tuple(layer.weight.shape), layer.config, layer.weight.device)
                 else:
                     grad = _layer_gradient(layer, x2d, dy2d, self._inputs)
                     self._norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)
-                if self._pass == "measure":
-                    return
             scalars = self._scalars[layer]
             options = dict(config=layer.config, rounding=layer.rounding, seed=scalars.seed,
                            grad_scale=self._grad_scale, weight_slice=layer.weight_slice, report="defer")
             if grad is None:
                 self._outcomes[layer] = fused_weight_update(x2d, dy2d, layer.weight.data, layer.forge_state,
-                                                            layer.rule, scalars, oracle=layer.oracle, **options)
+                                                            layer.rule, scalars, oracle=layer.oracle,
+                                                            square_sums=sums, **options)
+                if sums is not None:
+                    self._norms[id(layer.weight)] = norm_from_square_sums(sums)
             else:
                 self._outcomes[layer] = apply_rule(grad, layer.weight.data, layer.forge_state, layer.rule, scalars,
                                                    **options)

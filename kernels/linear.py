@@ -370,12 +370,17 @@ class ForgeLinear(nn.Linear):
                            "outside the layer; a fused weight takes exactly one gradient per step, through "
                            "its own backward")
 
-    def _apply_step(self, x2d, dy2d, *, grad=None, rule=None, grad_scale=1.0, advance=True, report=None):
+    def _apply_step(self, x2d, dy2d, *, grad=None, rule=None, grad_scale=1.0, advance=True, report=None,
+                    square_sums=None):
         """One step of ``rule`` (default: the layer's) with dW = dy2dᵀ x2d, or with a
         materialized fp32 ``grad`` (of the local shard) when given; the gradient is
         multiplied by ``grad_scale`` before the rule. ``advance=False`` leaves
         ``forge_step`` where it is (a micro-batch of an accumulated step). ``report``
-        (default: the layer's) is ``"raise"`` or ``"defer"``, as in the constructor."""
+        (default: the layer's) is ``"raise"`` or ``"defer"``, as in the constructor.
+        ``square_sums``: filled with the tiles' sums of squares of dW by the fused step
+        (``fused_weight_update``'s argument; not with ``grad``)."""
+        if square_sums is not None and grad is not None:
+            raise ValueError("square_sums are kept by the fused step; with a materialized grad take its norm directly")
         report = self.report if report is None else check_report(report)
         if self.forge_owner is not None:
             raise RuntimeError(f"fused layer {self.forge_name!r} is captured by a CapturedStep: its steps are the "
@@ -411,7 +416,7 @@ class ForgeLinear(nn.Linear):
             with torch.no_grad():
                 if grad is None:
                     outcome = fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
-                                                  oracle=self.oracle, **options)
+                                                  oracle=self.oracle, square_sums=square_sums, **options)
                 else:
                     outcome = apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
         except FloatingPointError as error:  # "raise": the kernels ran and found non-finite values

@@ -27,7 +27,7 @@ from ._backend import on_device, quiet_non_finite
 from .errors import NonFiniteInputError
 from .linear import ForgeLinear, check_updates
 from .ops.finite_check import STATUS_WORDS, launch_finite_check
-from .ops.gradient_norm import weight_gradient_norm
+from .ops.gradient_norm import empty_square_sums, norm_from_square_sums, weight_gradient_norm
 from .ops.weight_gradient import weight_gradient
 from .tensor_parallel import is_dtensor
 from .rules.sgd import SGD, SGDMicroBatch
@@ -197,12 +197,22 @@ def _layer_norm(layer, x2d, dy2d, norm, inputs=None):
     """The layer's gradient norm for clipping: ``vector_norm`` of the materialized gradient
     (``norm="gradient"``: ``clip_grad_norm_``'s bits), or from the fused kernel's tile loop
     without a gradient (``"tiles"``, ``weight_gradient_norm``). Non-finite operands are
-    counted in ``inputs`` either way."""
+    counted in ``inputs`` either way. (A layer that steps before its norm is needed
+    keeps its tiles' sums in the fused step instead: ``_step_keeping_norm``.)"""
     if norm == "gradient":
         return torch.linalg.vector_norm(_layer_gradient(layer, x2d, dy2d, inputs), 2.0)
     if inputs is not None:
         inputs.count(x2d, dy2d)
     return weight_gradient_norm(x2d, dy2d, config=layer.config)
+
+
+def _step_keeping_norm(layer, x2d, dy2d, grad_scale):
+    """A deferred fused step (clip factor ``grad_scale``, a number or a device tensor) that
+    keeps its tiles' sums of squares of the unscaled gradient; returns the layer's gradient
+    norm from them (``norm="tiles"`` in previous-norm clipping: one tile loop for both)."""
+    sums = empty_square_sums(tuple(layer.weight.shape), layer.config, layer.weight.device)
+    layer._apply_step(x2d, dy2d, grad_scale=grad_scale, report="defer", square_sums=sums)
+    return norm_from_square_sums(sums)
 
 
 def _deferred_step(layer, x2d, dy2d):
@@ -246,9 +256,11 @@ class Trainer:
       bound of ``proofs/gradient_norm.md`` of the gradient's exact norm (about 1.2e-4
       relative for 64 x 64 tiles), but not ``clip_grad_norm_``'s bits: its squares are
       summed in another order. Where the clip factor is 1 the steps are bitwise those of
-      ``norm="gradient"`` (default: the norms and bits above). Cost: the tile loop runs
-      once more per layer (exact clipping: in the first pass instead of the GEMM;
-      previous-norm: beside the fused step).
+      ``norm="gradient"`` (default: the norms and bits above). Cost: in exact clipping,
+      the first pass runs the tile loop instead of the gradient GEMM; in previous-norm
+      clipping the fused step keeps its tiles' sums itself (``fused_weight_update(...,
+      square_sums=)``: no second pass over the tokens on the portable kernel; the Hopper
+      kernels keep none yet and run the tile loop a second time).
     * Accumulation over micro-batches: only SGD with momentum (not Nesterov) with fp32
       state, accumulating into the momentum buffer (``SGDMicroBatch``), no extra memory.
       Other rules are refused: they are not affine in the gradient, so the micro-batch
@@ -442,16 +454,15 @@ class Trainer:
         previous step's global norm (the current one is known only after every layer has
         stepped). With ``norm="gradient"`` each layer's gradient is materialized, one layer
         at a time, for its norm and the step is taken from it (the bits the fused kernel
-        would give); with ``"tiles"`` the norm comes from the tile loop and the layer steps
-        fused."""
+        would give); with ``"tiles"`` the layer steps fused and its norm comes from the
+        fused step's own tile sums (no second pass over the tokens)."""
         scale = clip_coefficient(self.max_norm, self.last_norm)
         scale_value = float(scale)
         norms = {}
 
         def measure_and_step(layer, x2d, dy2d):
             if self.norm == "tiles":
-                norms[id(layer.weight)] = _layer_norm(layer, x2d, dy2d, self.norm)
-                layer._apply_step(x2d, dy2d, grad_scale=scale_value, report="defer")
+                norms[id(layer.weight)] = _step_keeping_norm(layer, x2d, dy2d, scale_value)
                 return
             grad = _layer_gradient(layer, x2d, dy2d)
             norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)

@@ -18,6 +18,7 @@ from ..rules.base import NUM_SCALARS, NUM_SLOTS
 from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
+from .gradient_norm import _square_sum, check_square_sums, launch_square_sums
 from .hopper_support import check_hopper_launch
 from .stochastic_round import check_seed, paired_words, rn_bf16, sr_bf16_with, stream_seed
 from .step_scalars import StepScalars
@@ -257,13 +258,14 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 status_ptr, T, N, K, KB, row0, col0, global_k,
                                 stride_xt, stride_xk, stride_dyt, stride_dyn, grad_scale,
                                 h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
-                                RULE: tl.constexpr, VARIANT: tl.constexpr,
+                                sums_ptr, RULE: tl.constexpr, VARIANT: tl.constexpr,
                                 HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
                                 W_BF16: tl.constexpr, S_BF16: tl.constexpr, S_Q8: tl.constexpr,
                                 STOCHASTIC: tl.constexpr, NONNEGATIVE: tl.constexpr, ALIGNED_PAIRS: tl.constexpr,
                                 DEVICE_SCALARS: tl.constexpr, DEVICE_GRAD_SCALE: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                                SPLIT: tl.constexpr, ROWS: tl.constexpr, INTERPRETED: tl.constexpr):
+                                SPLIT: tl.constexpr, ROWS: tl.constexpr, SQUARE_SUMS: tl.constexpr,
+                                INTERPRETED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,6 +275,8 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                           offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED)
     tile_id = pid_n * tl.num_programs(1) + pid_k
+    if SQUARE_SUMS:  # the tile's Σ g² of the unscaled gradient, for previous-norm clipping's norm
+        tl.store(sums_ptr + tile_id, _square_sum(g, BLOCK_N, BLOCK_K, INTERPRETED))
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
     if DEVICE_GRAD_SCALE:
@@ -423,21 +427,26 @@ class _Epilogue:
         if self.config.kernel == "hopper":
             check_hopper_launch(x, dy, weight, self.slot_tensors, self.state_format)
 
-    def fused(self, x, dy, weight):
-        """Launch the fused kernel; returns Triton's handle of the compiled kernel (its
-        register and spill counts are what the benchmark's sweep records)."""
+    def fused(self, x, dy, weight, square_sums=None):
+        """Launch the fused kernel (and fill ``square_sums`` with the tiles' Σ dW²);
+        returns Triton's handle of the compiled kernel (its register and spill counts are
+        what the benchmark's sweep records)."""
         T, K = x.shape
         N = self.shape[0]
         config = self.config
         if config.kernel == "hopper":
             from . import hopper_update  # Gluon: imported only where it runs
-            return hopper_update.launch(self, x, dy, weight)
+            handle = hopper_update.launch(self, x, dy, weight)
+            if square_sums is not None:  # the Hopper kernels keep no sums yet: a second tile loop
+                launch_square_sums(N, K, config, x=x, dy=dy, out=square_sums)
+            return handle
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             self.grad_scale, *self.scalars, self.seed, *self.device_scalars, self.grad_scale_ptr,
+            weight if square_sums is None else square_sums,  # an unused pointer without sums
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
-            SPLIT=config.epilogue_split, ROWS=config.epilogue_axis == "rows",
+            SPLIT=config.epilogue_split, ROWS=config.epilogue_axis == "rows", SQUARE_SUMS=square_sums is not None,
             INTERPRETED=interpreting(), **config.launch_options())
 
     def report(self, report: str, input_names: tuple, captured: bool = False):
@@ -454,7 +463,8 @@ class _Epilogue:
 
 
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
-                        rounding=None, seed=0, grad_scale=1.0, weight_slice=None, report="raise"):
+                        rounding=None, seed=0, grad_scale=1.0, weight_slice=None, report="raise",
+                        square_sums=None):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
@@ -501,20 +511,34 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     (the writes were already decided on the device: only the telling is deferred).
     T = 0 is allowed: dW is then the empty sum, 0, and the rule steps with a zero
     gradient (decay and momentum still act), as torch.optim does with a zero grad.
+
+    ``square_sums`` (from ``empty_square_sums(weight.shape, config, device)``): filled
+    with each tile's Σ dW² of the gradient before ``grad_scale``, as
+    ``weight_gradient_square_sums`` computes them (bitwise under the interpreter; compiled,
+    within ``proofs/gradient_norm.md``'s bound), so that ``norm_from_square_sums`` gives
+    the gradient's norm after the step with no second pass over the tokens (previous-norm
+    clipping; the step's own bits do not change). The portable kernel keeps the sums in
+    its epilogue; the Hopper kernels keep none yet and run the tile loop a second time for
+    them; the oracle sums its materialized gradient. Non-finite inputs give non-finite sums.
     """
     check_report(report)
     check_update_inputs(x, dy, weight, state, rule)
     captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
+    if square_sums is not None:
+        check_square_sums(square_sums, weight.shape, epilogue.config, weight.device)
     if not oracle:
         epilogue.check_fused(x, dy, weight)
     with on_device(weight.device), quiet_non_finite():
         if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
             launch_finite_check(epilogue.status, x, dy)
             if oracle:
-                epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
+                grad = launch_weight_gradient(x, dy, epilogue.config)
+                epilogue.apply(grad, weight)
+                if square_sums is not None:
+                    launch_square_sums(*weight.shape, epilogue.config, grad=grad, out=square_sums)
             else:
-                epilogue.fused(x, dy, weight)
+                epilogue.fused(x, dy, weight, square_sums)
         return epilogue.report(report, input_names=("x", "dy"), captured=captured)
 
 

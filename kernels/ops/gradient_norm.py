@@ -17,6 +17,11 @@ on the CPU (``proofs/interpreter_reduction.md``), and each tile's sum is bitwise
 Triton sums a tile as a tree whose shape follows the tile's register layout (the
 matrix instructions' for the tile loop, a load's for ``square_sums``), so there the two
 agree within the bound, not necessarily in every bit.
+
+Where a layer steps before its norm is needed (previous-norm clipping), the fused step
+itself can keep the sums: ``fused_weight_update(..., square_sums=)`` fills a buffer from
+``empty_square_sums`` with each tile's Σ dW² of its own gradient tile (one tile loop for
+the step and the norm), and ``norm_from_square_sums`` takes the norm.
 """
 
 import torch
@@ -90,13 +95,14 @@ def _grid(N, K, config):
     return triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k)
 
 
-def launch_square_sums(N, K, config, *, x=None, dy=None, grad=None) -> torch.Tensor:
-    """Each tile's Σ dW² as an fp32 (tiles down, tiles across) tensor: through the tile
-    loop from validated ``x`` and ``dy``, or from a contiguous fp32 ``grad``."""
+def launch_square_sums(N, K, config, *, x=None, dy=None, grad=None, out=None) -> torch.Tensor:
+    """Each tile's Σ dW² as an fp32 (tiles down, tiles across) tensor (``out``, if given,
+    checked by the caller): through the tile loop from validated ``x`` and ``dy``, or
+    from a contiguous fp32 ``grad``."""
     grid = _grid(N, K, config)
     from_grad = grad is not None
     a, b = (grad, grad) if from_grad else (x, dy)  # the unused operand pointers of the other source
-    sums = torch.zeros(grid, dtype=torch.float32, device=a.device)
+    sums = torch.zeros(grid, dtype=torch.float32, device=a.device) if out is None else out.zero_()
     if N == 0 or K == 0:
         return sums
     T = 0 if from_grad else x.shape[0]
@@ -104,6 +110,37 @@ def launch_square_sums(N, K, config, *, x=None, dy=None, grad=None) -> torch.Ten
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
                               FROM_GRAD=from_grad, INTERPRETED=interpreting(), **config.launch_options())
     return sums
+
+
+def check_square_sums(sums, shape, config, device) -> None:
+    """A buffer ``fused_weight_update`` can fill with the tiles' sums of an (N, K) weight's
+    gradient: contiguous float32, one element per ``config`` tile, on the weight's device."""
+    grid = _grid(*shape, config)
+    if not isinstance(sums, torch.Tensor):
+        raise TypeError(f"square_sums must be a torch.Tensor (from empty_square_sums), got {type(sums).__name__}")
+    if sums.dtype != torch.float32 or tuple(sums.shape) != grid or not sums.is_contiguous():
+        raise ValueError(f"square_sums must be a contiguous float32 tensor of one element per tile, shape {grid} "
+                         f"for a {tuple(shape)} weight and tiles of {config.block_n} x {config.block_k}; got "
+                         f"{sums.dtype}, shape {tuple(sums.shape)}{'' if sums.is_contiguous() else ', not contiguous'}")
+    if sums.device != device:
+        raise ValueError(f"square_sums is on {sums.device}, the weight on {device}")
+
+
+def empty_square_sums(shape, config=None, device=None) -> torch.Tensor:
+    """A buffer for ``fused_weight_update(..., square_sums=)``: one float32 per ``config``
+    tile of an (N, K) weight (``shape``), tiles down by tiles across."""
+    config = _config(config)
+    return torch.empty(_grid(*shape, config), dtype=torch.float32, device=device)
+
+
+def norm_from_square_sums(sums: torch.Tensor) -> torch.Tensor:
+    """The gradient norm whose tiles' sums of squares ``sums`` holds (as a fused step with
+    ``square_sums=`` or ``weight_gradient_square_sums`` left them): √Σ, summed in float64
+    as ``weight_gradient_norm`` sums, as a float32 scalar tensor. No synchronization."""
+    if not isinstance(sums, torch.Tensor) or sums.dtype != torch.float32 or not sums.is_contiguous():
+        raise TypeError("sums must be a contiguous float32 tensor of tile sums")
+    with on_device(sums.device):
+        return launch_norm(sums)
 
 
 def launch_norm(sums: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,155 @@
+"""``fused_weight_update(..., square_sums=)``: the fused step keeps each tile's Σ dW² of
+its own (unscaled) gradient tile, so previous-norm clipping takes a layer's norm with no
+second pass over the tokens (proofs/gradient_norm.md).
+
+Under the interpreter the sums are bitwise ``weight_gradient_square_sums``' (the same
+tile loop, the same summing code), fused and oracle; on every backend the step's own
+bits do not change and the norm is within the proof's bound of the float64 norm; the
+Trainer's previous-norm steps with tile norms run no separate norm pass.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import forge_kernels as fk
+from forge_kernels.ops.gradient_norm import weight_gradient_square_sums
+from forge_verify.numerics.bits import assert_bitwise_equal
+from forge_verify.numerics.tolerances import gradient_norm_bound
+from tests.test_training import _closures, _gpt
+
+SMALL = fk.TileConfig(32, 32, 16, 4, 2)
+# (weight dtype, state format, config): q8 state needs tiles of whole 64-column q8 blocks.
+REGIMES = {"fp32": (torch.float32, "fp32", SMALL), "bf16": (torch.bfloat16, "bf16", SMALL),
+           "q8": (torch.bfloat16, "q8", fk.TileConfig(32, 64, 16, 4, 2))}
+
+
+def _problem(regime, device, t=37, n=70, k=90, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w_dtype, state_format, config = REGIMES[regime]
+    x = torch.randn(t, k, generator=gen).to(device, torch.bfloat16)
+    dy = (torch.randn(t, n, generator=gen) * 0.5).to(device, torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen) * 0.1).to(device, w_dtype)
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    return x, dy, weight, rule.init_state(weight, state_format=state_format), rule, config
+
+
+def _step(x, dy, weight, state, rule, config, **kwargs):
+    weight, state = weight.clone(), {name: value.clone() for name, value in state.items()}
+    fk.fused_weight_update(x, dy, weight, state, rule, 1, config=config, seed=3, grad_scale=0.5, **kwargs)
+    return weight, state
+
+
+def _assert_same_step(a, b, where):
+    assert_bitwise_equal(a[0], b[0], f"{where}: weight")
+    for name in a[1]:
+        assert_bitwise_equal(a[1][name], b[1][name], f"{where}: {name}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.exactness
+@pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_the_step_keeps_the_tile_loops_sums_of_the_unscaled_gradient(regime, oracle, device):
+    """With grad_scale 0.5 the sums are still those of dW itself, bitwise
+    ``weight_gradient_square_sums`` for the same tiles."""
+    x, dy, weight, state, rule, config = _problem(regime, device)
+    sums = fk.empty_square_sums(weight.shape, config, device)
+    _step(x, dy, weight, state, rule, config, oracle=oracle, square_sums=sums)
+    assert_bitwise_equal(sums, weight_gradient_square_sums(x, dy, config=config), "tile sums")
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_keeping_the_sums_moves_no_bit_of_the_step_and_gives_the_norm(regime, oracle, device):
+    """Weight and every state slot are the bits of the same step without sums, and the
+    norm from the sums is within the proof's bound of the float64 norm of dW."""
+    x, dy, weight, state, rule, config = _problem(regime, device, seed=1)
+    sums = fk.empty_square_sums(weight.shape, config, device)
+    kept = _step(x, dy, weight, state, rule, config, oracle=oracle, square_sums=sums)
+    _assert_same_step(kept, _step(x, dy, weight, state, rule, config, oracle=oracle), "with sums")
+    grad = fk.weight_gradient(x, dy, config=config)
+    exact = float(np.linalg.norm(grad.double().cpu().numpy()))
+    found = fk.norm_from_square_sums(sums)
+    assert found.dtype == torch.float32 and found.shape == () and found.device == weight.device
+    assert abs(float(found) - exact) <= gradient_norm_bound(exact, *grad.shape, config.block_n, config.block_k)
+
+
+def test_no_tokens_give_zero_sums_and_a_non_finite_input_non_finite_ones(device):
+    """T = 0: dW is 0 and so is every sum. A NaN in x: nothing is stepped (the call
+    raises) and the norm is not finite, as ``weight_gradient_norm``'s would be."""
+    x, dy, weight, state, rule, config = _problem("fp32", device, t=0)
+    sums = fk.empty_square_sums(weight.shape, config, device).fill_(7.0)
+    _step(x, dy, weight, state, rule, config, square_sums=sums)
+    assert not sums.any()
+    x, dy, weight, state, rule, config = _problem("fp32", device)
+    x[5, 6] = float("nan")
+    before = weight.clone()
+    with pytest.raises(fk.NonFiniteInputError):
+        fk.fused_weight_update(x, dy, weight, state, rule, 1, config=config, square_sums=sums)
+    assert_bitwise_equal(weight, before, "weight")
+    assert not math.isfinite(float(fk.norm_from_square_sums(sums)))
+
+
+def test_a_wrong_sums_buffer_is_refused_before_anything_runs(device):
+    x, dy, weight, state, rule, config = _problem("fp32", device)
+    before = weight.clone()
+    grid = fk.empty_square_sums(weight.shape, config, device).shape
+    wrong = [(torch.empty(grid, dtype=torch.float64, device=device), ValueError, "contiguous float32"),
+             (torch.empty(grid[0], grid[1] + 1, device=device), ValueError, r"shape \(3, 3\) for a \(70, 90\) weight"),
+             (torch.empty(grid[1], grid[0], device=device).T, ValueError, "not contiguous"),
+             (np.zeros(grid, dtype=np.float32), TypeError, "must be a torch.Tensor")]
+    if torch.device(device).type != "cpu":
+        wrong.append((torch.empty(grid), ValueError, "is on cpu"))
+    for sums, error, message in wrong:
+        with pytest.raises(error, match=message):
+            fk.fused_weight_update(x, dy, weight, state, rule, 1, config=config, square_sums=sums)
+    assert_bitwise_equal(weight, before, "weight")
+    layer = fk.fuse(torch.nn.Sequential(torch.nn.Linear(90, 70)).to(device), rule)[0]
+    with pytest.raises(ValueError, match="with a materialized grad"):
+        layer._apply_step(None, None, grad=torch.zeros(70, 90, device=device),
+                          square_sums=fk.empty_square_sums((70, 90), None, device))
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
+def test_previous_norm_steps_with_tile_norms_run_no_separate_norm_pass(oracle, device, monkeypatch):
+    """The exact first step measures every layer's norm with ``weight_gradient_norm`` (its
+    first pass steps nothing); the previous-norm steps after it take the norms from the
+    fused steps' sums and never call it. On the portable kernel no second tile loop runs
+    for the sums either (the fused kernel's own; the oracle sums its gradient)."""
+    model = fk.fuse(_gpt(device), fk.AdamW(lr=1e-2), oracle=oracle)
+    layers = len(fk.fused_layers(model))
+    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model), lr=3e-3), max_norm=0.05,
+                         clipping="previous-norm", norm="tiles")
+    calls = []
+    measured = fk.training.weight_gradient_norm
+    monkeypatch.setattr(fk.training, "weight_gradient_norm", lambda *a, **k: calls.append(1) or measured(*a, **k))
+    trainer.step(_closures(model, device, 0))
+    assert len(calls) == layers
+    if not oracle:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a separate tile loop ran for the sums")
+        monkeypatch.setattr(fk.ops.fused_weight_update, "launch_square_sums", refuse)
+    norms = []
+    for step in (1, 2):
+        trainer.step(_closures(model, device, step))
+        norms.append(float(trainer.last_norm))
+    assert len(calls) == layers and all(math.isfinite(n) and n > 0.05 for n in norms)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the hopper kernel runs on compute capability 9.x GPUs only")
+@pytest.mark.exactness
+def test_the_hopper_kernel_takes_its_sums_from_the_tile_loop():
+    """The Hopper kernels keep no sums: a second launch of the tile loop fills them, so
+    they are ``weight_gradient_square_sums``' bits for the same tiles (the same kernel),
+    and the step is the bits of the same step without sums."""
+    config = fk.TileConfig(128, 128, 64, 8, 3, epilogue_split=8, kernel="hopper", epilogue_axis="rows")
+    x, dy, weight, state, rule, _ = _problem("bf16", "cuda", t=96, n=256, k=192)
+    sums = fk.empty_square_sums(weight.shape, config, "cuda")
+    kept = _step(x, dy, weight, state, rule, config, square_sums=sums)
+    _assert_same_step(kept, _step(x, dy, weight, state, rule, config), "with sums")
+    assert_bitwise_equal(sums, weight_gradient_square_sums(x, dy, config=config), "tile sums")
