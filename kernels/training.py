@@ -250,9 +250,10 @@ class Trainer:
       passes unclipped on the step it happens: see ``forge_verify.commands.clipping_spike`` for
       the measured deviation.
     * ``norm="tiles"`` (with ``max_norm``, either clipping mode): no fused layer's gradient
-      is ever stored. Each layer's norm comes from the fused kernel's tile loop, which
-      keeps one sum of squares per tile (``weight_gradient_norm``; extra memory one float
-      per tile), and the layer steps fused. The norm is deterministic and within the
+      is ever stored. Each layer's norm comes from one sum of squares per tile of its
+      gradient tiles (extra memory one float per tile): from the tile loop alone where
+      nothing steps (``weight_gradient_norm``, exact clipping's first pass), kept by the
+      fused step where it steps (previous-norm clipping), and the layer steps fused. The norm is deterministic and within the
       bound of ``proofs/gradient_norm.md`` of the gradient's exact norm (about 1.2e-4
       relative for 64 x 64 tiles), but not ``clip_grad_norm_``'s bits: its squares are
       summed in another order. Where the clip factor is 1 the steps are bitwise those of

@@ -36,10 +36,15 @@ def _problem(regime, device, t=37, n=70, k=90, seed=0):
     return x, dy, weight, rule.init_state(weight, state_format=state_format), rule, config
 
 
-def _step(x, dy, weight, state, rule, config, **kwargs):
+def _step(x, dy, weight, state, rule, config, grad_scale=0.5, step=1, **kwargs):
     weight, state = weight.clone(), {name: value.clone() for name, value in state.items()}
-    fk.fused_weight_update(x, dy, weight, state, rule, 1, config=config, seed=3, grad_scale=0.5, **kwargs)
+    fk.fused_weight_update(x, dy, weight, state, rule, step, config=config, seed=3, grad_scale=grad_scale, **kwargs)
     return weight, state
+
+
+def _sums(weight, config):
+    """A sums buffer holding NaN, so that a path that wrote nothing cannot pass."""
+    return fk.empty_square_sums(weight.shape, config, weight.device).fill_(float("nan"))
 
 
 def _assert_same_step(a, b, where):
@@ -56,9 +61,33 @@ def test_the_step_keeps_the_tile_loops_sums_of_the_unscaled_gradient(regime, ora
     """With grad_scale 0.5 the sums are still those of dW itself, bitwise
     ``weight_gradient_square_sums`` for the same tiles."""
     x, dy, weight, state, rule, config = _problem(regime, device)
-    sums = fk.empty_square_sums(weight.shape, config, device)
+    sums = _sums(weight, config)
     _step(x, dy, weight, state, rule, config, oracle=oracle, square_sums=sums)
     assert_bitwise_equal(sums, weight_gradient_square_sums(x, dy, config=config), "tile sums")
+
+
+@pytest.mark.interpreter
+@pytest.mark.exactness
+@pytest.mark.parametrize("variant", ["row-parts", "column-parts", "slice", "device-scalars"])
+def test_the_sums_do_not_depend_on_parts_slices_or_device_scalars(variant, device):
+    """The epilogue in parts, a shard at an odd column of a larger weight, and the step's
+    scalars and clip factor read on the device (a captured step's launch): the sums are
+    the same bits, and so is the step (against the same call without sums)."""
+    x, dy, weight, state, rule, config = _problem("bf16", device)
+    options = {}
+    if variant == "row-parts":
+        config = fk.TileConfig(32, 32, 16, 4, 2, epilogue_split=2, epilogue_axis="rows")
+    elif variant == "column-parts":
+        config = fk.TileConfig(32, 32, 16, 4, 2, epilogue_split=2)
+    elif variant == "slice":
+        options["weight_slice"] = fk.WeightSlice(5, 3, (100, 101))
+    else:
+        options["step"] = fk.StepScalars(rule, seed=3, device=device).set(1)
+        options["grad_scale"] = torch.tensor([0.5], device=device)
+    sums = _sums(weight, config)
+    kept = _step(x, dy, weight, state, rule, config, square_sums=sums, **options)
+    assert_bitwise_equal(sums, weight_gradient_square_sums(x, dy, config=config), "tile sums")
+    _assert_same_step(kept, _step(x, dy, weight, state, rule, config, **options), "with sums")
 
 
 @pytest.mark.exactness
@@ -68,7 +97,7 @@ def test_keeping_the_sums_moves_no_bit_of_the_step_and_gives_the_norm(regime, or
     """Weight and every state slot are the bits of the same step without sums, and the
     norm from the sums is within the proof's bound of the float64 norm of dW."""
     x, dy, weight, state, rule, config = _problem(regime, device, seed=1)
-    sums = fk.empty_square_sums(weight.shape, config, device)
+    sums = _sums(weight, config)
     kept = _step(x, dy, weight, state, rule, config, oracle=oracle, square_sums=sums)
     _assert_same_step(kept, _step(x, dy, weight, state, rule, config, oracle=oracle), "with sums")
     grad = fk.weight_gradient(x, dy, config=config)

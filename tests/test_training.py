@@ -165,14 +165,19 @@ def test_tile_norms_previous_norm_step_clips_by_the_previous_norm(device):
     assert not torch.equal(models[0].state_dict()[layer + ".weight"], unclipped.state_dict()[layer + ".weight"])
 
 
-def test_tile_norms_global_norm_is_within_the_bound_of_clip_grad_norm_s(device):
+@pytest.mark.parametrize("clipping", fk.training.CLIPPING)
+def test_tile_norms_global_norm_is_within_the_bound_of_clip_grad_norm_s(clipping, device):
     """Clipping active: the global norm from tile norms and clip_grad_norm_'s differ by
     less than the sum of their bounds to the exact norm (proofs/gradient_norm.md: the
     tiles' bound per layer, and the same derivation for vector_norm's one sum in any
-    order), plus both final norms' own roundings over the stacked per-tensor norms."""
+    order), plus both final norms' own roundings over the stacked per-tensor norms. In
+    previous-norm mode both resume from the same previous norm (so they take the same
+    step), and the tile norms are the sums the fused steps kept."""
     (model, twin), (optimizer, twin_optimizer) = _pair(device, lambda: fk.AdamW(lr=1e-2))
-    tiles = fk.Trainer(model, optimizer, max_norm=0.05, norm="tiles")
-    gradient = fk.Trainer(twin, twin_optimizer, max_norm=0.05)
+    tiles = fk.Trainer(model, optimizer, max_norm=0.05, clipping=clipping, norm="tiles")
+    gradient = fk.Trainer(twin, twin_optimizer, max_norm=0.05, clipping=clipping)
+    if clipping == "previous-norm":
+        tiles.last_norm, gradient.last_norm = (torch.tensor(2.0, device=device) for _ in range(2))
     tiles.step(_closures(model, device, 0))
     gradient.step(_closures(twin, device, 0))
     configs = [layer.config or fk.PINNED for layer in tiles.layers]

@@ -436,10 +436,11 @@ class _Epilogue:
         config = self.config
         if config.kernel == "hopper":
             from . import hopper_update  # Gluon: imported only where it runs
-            handle = hopper_update.launch(self, x, dy, weight)
-            if square_sums is not None:  # the Hopper kernels keep no sums yet: a second tile loop
+            if square_sums is not None:
+                # The Hopper kernels keep no sums yet: the tile loop once more, first, so
+                # that an error in it (its compilation) leaves nothing stepped.
                 launch_square_sums(N, K, config, x=x, dy=dy, out=square_sums)
-            return handle
+            return hopper_update.launch(self, x, dy, weight)
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
@@ -518,8 +519,9 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     within ``proofs/gradient_norm.md``'s bound), so that ``norm_from_square_sums`` gives
     the gradient's norm after the step with no second pass over the tokens (previous-norm
     clipping; the step's own bits do not change). The portable kernel keeps the sums in
-    its epilogue; the Hopper kernels keep none yet and run the tile loop a second time for
-    them; the oracle sums its materialized gradient. Non-finite inputs give non-finite sums.
+    its epilogue; the Hopper kernels keep none yet, and the oracle computes none: they
+    launch ``weight_gradient_square_sums``' kernel first. Non-finite inputs give
+    non-finite sums.
     """
     check_report(report)
     check_update_inputs(x, dy, weight, state, rule)
@@ -533,10 +535,9 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
         if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
             launch_finite_check(epilogue.status, x, dy)
             if oracle:
-                grad = launch_weight_gradient(x, dy, epilogue.config)
-                epilogue.apply(grad, weight)
-                if square_sums is not None:
-                    launch_square_sums(*weight.shape, epilogue.config, grad=grad, out=square_sums)
+                if square_sums is not None:  # the tile loop's sums, as weight_gradient_square_sums on any backend
+                    launch_square_sums(*weight.shape, epilogue.config, x=x, dy=dy, out=square_sums)
+                epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
             else:
                 epilogue.fused(x, dy, weight, square_sums)
         return epilogue.report(report, input_names=("x", "dy"), captured=captured)
