@@ -82,9 +82,10 @@ coefficient (``fused_weight_update(..., square_sums=)``; the exact first step ta
 from the tile loop, ``weight_gradient_norm``), so no fused layer's gradient is stored in
 any step (``oracle=False``, the default); bitwise that Trainer
 (``tests/test_captured_clipping.py``, on a GPU; it ran there before the fused step kept
-the sums, when a separate tile loop took them: the present path waits for a GPU run). On the portable kernel that costs no
-second pass over the tokens; the Hopper kernels keep no sums yet and run the tile loop
-a second time (measured on an H200 as a separate pass, ``benchmarks/probe_gradient_norm.py``:
+the sums, when a separate tile loop took them: the present path waits for a GPU run). On
+the portable kernel that costs no second pass over the tokens; the Hopper kernels keep
+no sums yet and run the tile loop a second time (measured on an H200 as a separate
+pass, ``benchmarks/probe_gradient_norm.py``:
 0.27-0.43x the fused step at 512-1,024 tokens, 0.70-0.79x at 4,096). Gradient norms step
 from the gradient with the rule's own kernel instead of the fused step, so at 4,096 tokens
 their whole step was the faster (two Llama-3-8B-shaped blocks: 26.9 against 29.9 ms,
@@ -111,11 +112,12 @@ from .errors import NonFiniteInputError
 from .linear import ForgeLinear
 from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import apply_rule, fused_weight_update
-from .ops.gradient_norm import empty_square_sums, norm_from_square_sums
+from .ops.gradient_norm import norm_from_square_sums
 from .ops.step_scalars import StepScalarsGroup
 from .training import (CLIPPING, NORMS, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _layer_norm,
-                       check_max_norm, check_unfused_optimizer, clip_coefficient, clip_scale, non_finite_norm_error,
-                       rng_rewinder, scale_unfused_gradients, set_aside_clipped_gradients, total_norm)
+                       check_max_norm, check_unfused_optimizer, clip_coefficient, clip_scale, layer_square_sums,
+                       non_finite_norm_error, rng_rewinder, scale_unfused_gradients, set_aside_clipped_gradients,
+                       total_norm)
 
 CHECKS = ("every step", "manual")
 
@@ -469,7 +471,7 @@ class CapturedStep:
                     self._norms[id(layer.weight)] = _layer_norm(layer, x2d, dy2d, self.norm, self._inputs)
                     return
                 if self.norm == "tiles":
-                    sums = empty_square_sums(tuple(layer.weight.shape), layer.config, layer.weight.device)
+                    sums = layer_square_sums(layer)
                 else:
                     grad = _layer_gradient(layer, x2d, dy2d, self._inputs)
                     self._norms[id(layer.weight)] = torch.linalg.vector_norm(grad, 2.0)

@@ -206,11 +206,17 @@ def _layer_norm(layer, x2d, dy2d, norm, inputs=None):
     return weight_gradient_norm(x2d, dy2d, config=layer.config)
 
 
+def layer_square_sums(layer):
+    """A buffer for the fused layer's tiles' sums of squares (``fused_weight_update(...,
+    square_sums=)``), one float per tile of its config."""
+    return empty_square_sums(tuple(layer.weight.shape), layer.config, layer.weight.device)
+
+
 def _step_keeping_norm(layer, x2d, dy2d, grad_scale):
     """A deferred fused step (clip factor ``grad_scale``, a number or a device tensor) that
     keeps its tiles' sums of squares of the unscaled gradient; returns the layer's gradient
     norm from them (``norm="tiles"`` in previous-norm clipping: one tile loop for both)."""
-    sums = empty_square_sums(tuple(layer.weight.shape), layer.config, layer.weight.device)
+    sums = layer_square_sums(layer)
     layer._apply_step(x2d, dy2d, grad_scale=grad_scale, report="defer", square_sums=sums)
     return norm_from_square_sums(sums)
 
@@ -253,7 +259,8 @@ class Trainer:
       is ever stored. Each layer's norm comes from one sum of squares per tile of its
       gradient tiles (extra memory one float per tile): from the tile loop alone where
       nothing steps (``weight_gradient_norm``, exact clipping's first pass), kept by the
-      fused step where it steps (previous-norm clipping), and the layer steps fused. The norm is deterministic and within the
+      fused step where it steps (previous-norm clipping), and the layer steps fused. The
+      norm is deterministic and within the
       bound of ``proofs/gradient_norm.md`` of the gradient's exact norm (about 1.2e-4
       relative for 64 x 64 tiles), but not ``clip_grad_norm_``'s bits: its squares are
       summed in another order. Where the clip factor is 1 the steps are bitwise those of

@@ -172,9 +172,7 @@ def weight_gradient_norm(x, dy, *, config=None) -> torch.Tensor:
     gradient: the fp32 dW elements ``weight_gradient`` (and the fused step) would give for
     ``config``, squared in fp32, summed per tile in fp32 and over tiles in float64. No
     synchronization. Non-finite operands give a non-finite norm."""
-    sums = weight_gradient_square_sums(x, dy, config=config)
-    with on_device(x.device):
-        return launch_norm(sums)
+    return norm_from_square_sums(weight_gradient_square_sums(x, dy, config=config))
 
 
 def square_sums(grad, *, config=None) -> torch.Tensor:
