@@ -101,7 +101,7 @@ def ptxas_usage(ptx: str, maxnreg) -> tuple:
     return int(registers[0]) if registers else None, int(spills[0]) if spills else None
 
 
-def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
+def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False):
     """The Hopper kernel for AdamW on a 4096 x 4096 weight in ``regime``, with the
     descriptors and argument types a launch on the H200 would give it (device scalars,
     as in a captured step)."""
@@ -124,11 +124,11 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool):
     signature.update(w_ptr=pointer, s0_ptr=pointer, s1_ptr=pointer, s2_ptr=pointer, flag_ptr="*i32",
                      status_ptr="*i32", T="i32", N="i32", K="i32", row0="i32", col0="i32", global_k="i32",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr="*fp32",
-                     seed_ptr="*i64", grad_scale_ptr=pointer)  # a StepScalars' float32 values and int64 key
+                     seed_ptr="*i64", grad_scale_ptr=pointer, sums_ptr="*fp32")  # a StepScalars' float32 values and int64 key
     rule = fk.AdamW()
     constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
                      W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,
-                     DEVICE_SCALARS=True, DEVICE_GRAD_SCALE=False, NUM_STAGES=stages,
+                     DEVICE_SCALARS=True, DEVICE_GRAD_SCALE=False, NUM_STAGES=stages, SQUARE_SUMS=square_sums,
                      **hopper_update.structure_constants(tile))
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
@@ -182,7 +182,7 @@ def main():
     parser.add_argument("--listing-sha", action="store_true",
                         help="also print a sha256 of the SASS instructions (the same code before and after a change)")
     parser.add_argument("--square-sums", action="store_true",
-                        help="the portable kernel keeping its tiles' sums of squares (previous-norm clipping's norm)")
+                        help="the kernel keeping its tiles' sums of squares (previous-norm clipping's norm)")
     args = parser.parse_args()
     tuned = json.loads((HERE / "tuned_configs.json").read_text())
     print(f"triton {triton.__version__}, sm_90, AdamW, 4096-wide weight")
@@ -192,7 +192,7 @@ def main():
         for config in configs:
             hopper = config[7:8] == ("hopper",)
             compile_for = compile_hopper_sm90 if hopper else compile_sm90
-            options = dict(square_sums=True) if args.square_sums and not hopper else {}
+            options = dict(square_sums=True) if args.square_sums else {}
             compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest,
                                             **options)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)

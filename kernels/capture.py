@@ -82,10 +82,9 @@ coefficient (``fused_weight_update(..., square_sums=)``; the exact first step ta
 from the tile loop, ``weight_gradient_norm``), so no fused layer's gradient is stored in
 any step (``oracle=False``, the default); bitwise that Trainer
 (``tests/test_captured_clipping.py``, on a GPU; it ran there before the fused step kept
-the sums, when a separate tile loop took them: the present path waits for a GPU run). On
-the portable kernel that costs no second pass over the tokens; the Hopper kernels keep
-no sums yet and run the tile loop a second time (measured on an H200 as a separate
-pass, ``benchmarks/probe_gradient_norm.py``:
+the sums, when a separate tile loop took them: the present path waits for a GPU run).
+That costs no second pass over the tokens (a separate pass measured on an H200,
+``benchmarks/probe_gradient_norm.py``:
 0.27-0.43x the fused step at 512-1,024 tokens, 0.70-0.79x at 4,096). Gradient norms step
 from the gradient with the rule's own kernel instead of the fused step, so at 4,096 tokens
 their whole step was the faster (two Llama-3-8B-shaped blocks: 26.9 against 29.9 ms,

@@ -267,8 +267,7 @@ class Trainer:
       ``norm="gradient"`` (default: the norms and bits above). Cost: in exact clipping,
       the first pass runs the tile loop instead of the gradient GEMM; in previous-norm
       clipping the fused step keeps its tiles' sums itself (``fused_weight_update(...,
-      square_sums=)``: no second pass over the tokens on the portable kernel; the Hopper
-      kernels keep none yet and run the tile loop a second time).
+      square_sums=)``: no second pass over the tokens).
     * Accumulation over micro-batches: only SGD with momentum (not Nesterov) with fp32
       state, accumulating into the momentum buffer (``SGDMicroBatch``), no extra memory.
       Other rules are refused: they are not affine in the gradient, so the micro-batch

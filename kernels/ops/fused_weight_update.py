@@ -436,11 +436,7 @@ class _Epilogue:
         config = self.config
         if config.kernel == "hopper":
             from . import hopper_update  # Gluon: imported only where it runs
-            if square_sums is not None:
-                # The Hopper kernels keep no sums yet: the tile loop once more, first, so
-                # that an error in it (its compilation) leaves nothing stepped.
-                launch_square_sums(N, K, config, x=x, dy=dy, out=square_sums)
-            return hopper_update.launch(self, x, dy, weight)
+            return hopper_update.launch(self, x, dy, weight, square_sums)
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
@@ -518,10 +514,10 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     ``weight_gradient_square_sums`` computes them (bitwise under the interpreter; compiled,
     within ``proofs/gradient_norm.md``'s bound), so that ``norm_from_square_sums`` gives
     the gradient's norm after the step with no second pass over the tokens (previous-norm
-    clipping; the step's own bits do not change). The portable kernel keeps the sums in
-    its epilogue; the Hopper kernels keep none yet, and the oracle computes none: they
-    launch ``weight_gradient_square_sums``' kernel first. Non-finite inputs give
-    non-finite sums.
+    clipping; the step's own bits do not change). The fused kernels keep the sums in
+    their epilogues (the Hopper kernels add a tile's parts' sums in part order); the
+    oracle, which has no fused epilogue, launches ``weight_gradient_square_sums``' kernel
+    first. Non-finite inputs give non-finite sums.
     """
     check_report(report)
     check_update_inputs(x, dy, weight, state, rule)

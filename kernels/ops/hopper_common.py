@@ -129,6 +129,14 @@ def _slot(smem, zeros, HAS: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _square_sum(g):
+    """Σ g² over a part of a gradient tile, each square rounded to fp32 (contraction is
+    off at every launch), added in the tree Triton's reduction makes of the part's layout:
+    previous-norm clipping's tile sums (``fused_weight_update(..., square_sums=)``)."""
+    return gl.sum(gl.sum(g * g, axis=1), axis=0)
+
+
+@gluon.jit
 def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem, s0_smem, s1_smem, s2_smem,
                    epi_ready, epi_free, phase, grad_free, RELEASE_GRAD: gl.constexpr, inputs_ok, flag, off_n, off_k,
                    N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed,

@@ -11,7 +11,7 @@ from triton.experimental.gluon import language as gl
 
 from .fused_weight_update import _device_grad_scale, _device_scalars
 from .hopper_common import (_GRADIENT_LAYOUT, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
-                            _partition_barrier, _ring, _staging_slots, _token_loop)
+                            _partition_barrier, _ring, _square_sum, _staging_slots, _token_loop)
 
 # Registers per thread asked for the second consumer warpgroup (the first takes what is
 # left, the TMA warps 24 each). ptxas still allocates the kernel within 168 (65,536 over
@@ -80,16 +80,18 @@ def _loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
 @gluon.jit
 def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bufs, ready, free,
               w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, acc_smem, T, N, K, row0, col0, global_k,
-              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
+              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr, sums_ptr,
               RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
               ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr,
-              C: gl.constexpr):
+              SQUARE_SUMS: gl.constexpr, C: gl.constexpr):
     """One warpgroup: every other tile of this program, its token loop on wgmma, then the
     portable epilogue's arithmetic on it, part by part, while the other warpgroup runs its
     own tile. A tile of one part converts its accumulator to the epilogue layout in
     registers; a wider tile leaves it in shared memory (``acc_smem``) and reads one part
-    at a time, so that only a part's weight and state are live at once."""
+    at a time, so that only a part's weight and state are live at once. With
+    ``SQUARE_SUMS`` each tile's Σ g² (its parts' sums added in part order) is stored at
+    its row-major index."""
     BLOCK_T: gl.constexpr = x_bufs.shape[1]
     BLOCK_N: gl.constexpr = dy_bufs.shape[2]
     BLOCK_K: gl.constexpr = x_bufs.shape[2]
@@ -116,7 +118,10 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
         acc = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.float32, layout=mma)
         acc, counter = _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t)
         if SPLIT == 1:
-            _epilogue_part(gl.convert_layout(acc, epi), w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr,
+            g = gl.convert_layout(acc, epi)
+            if SQUARE_SUMS:
+                gl.store(sums_ptr + tile, _square_sum(g))
+            _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr,
                            w_smem.index(0), s0_smem.index(0), s1_smem.index(0), s2_smem.index(0),
                            epi_ready.index(0), epi_free.index(0), visit & 1, epi_free.index(0), False, inputs_ok,
                            tile, off_n, off_k, N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
@@ -124,15 +129,21 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
         else:
             acc_smem.store(acc)
             _partition_barrier()  # the whole accumulator is in shared memory before any part is read
+            squares = 0.0
             for j in gl.static_range(SPLIT):
                 slot = j % SLOTS
                 uses = visit * (SPLIT // SLOTS) + j // SLOTS
-                _epilogue_part(acc_smem.slice(j * SUB, SUB, dim=1).load(epi), w_ptr, s0_ptr, s1_ptr, s2_ptr,
+                g = acc_smem.slice(j * SUB, SUB, dim=1).load(epi)
+                if SQUARE_SUMS:
+                    squares += _square_sum(g)
+                _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr,
                                flag_ptr, status_ptr, w_smem.index(slot), s0_smem.index(slot), s1_smem.index(slot),
                                s2_smem.index(slot), epi_ready.index(slot), epi_free.index(slot), uses & 1,
                                epi_free.index(slot), False, inputs_ok, tile * SPLIT + j, off_n, off_k + j * SUB, N, K,
                                row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT,
                                HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED)
+            if SQUARE_SUMS:
+                gl.store(sums_ptr + tile, squares)
         visit += 1
 
 
@@ -160,11 +171,11 @@ def _consumer_buffers(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, HAS_S0
 @gluon.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def pingpong_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr,
                     flag_ptr, status_ptr, T, N, K, row0, col0, global_k, grad_scale,
-                    h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
+                    h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr, sums_ptr,
                     RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                     HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                     STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
-                    DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr):
+                    DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr, SQUARE_SUMS: gl.constexpr):
     """Persistent: two consumer warpgroups (the default partition is consumer 0) take
     alternate tiles of this program's share, each fed by its own TMA warp. The weight and
     state descriptors' blocks are one column part of a tile (``epilogue_split``)."""
@@ -176,13 +187,13 @@ def pingpong_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s
         (_consumer, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs0, x_bufs0, ready0, free0,
                      w_smem0, s0_smem0, s1_smem0, s2_smem0, epi_ready0, epi_free0, acc_smem0, T, N, K, row0, col0,
                      global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
-                     grad_scale_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
-                     DEVICE_SCALARS, DEVICE_GRAD_SCALE, 0)),
+                     grad_scale_ptr, sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC,
+                     ALIGNED, DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS, 0)),
         (_consumer, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs1, x_bufs1, ready1, free1,
                      w_smem1, s0_smem1, s1_smem1, s2_smem1, epi_ready1, epi_free1, acc_smem1, T, N, K, row0, col0,
                      global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
-                     grad_scale_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
-                     DEVICE_SCALARS, DEVICE_GRAD_SCALE, 1)),
+                     grad_scale_ptr, sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC,
+                     ALIGNED, DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS, 1)),
         (_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs0, x_bufs0, ready0, free0,
                    w_smem0, s0_smem0, s1_smem0, s2_smem0, epi_ready0, epi_free0, T, N, K, HAS_S0, HAS_S1, HAS_S2, 0)),
         (_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs1, x_bufs1, ready1, free1,

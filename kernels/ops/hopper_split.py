@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .fused_weight_update import _device_grad_scale, _device_scalars
 from .hopper_common import (_GRADIENT_LAYOUT, _barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
-                            _partition_barrier, _ring, _staging_slots, _token_loop)
+                            _partition_barrier, _ring, _square_sum, _staging_slots, _token_loop)
 
 # Registers per thread asked for the matrix warpgroups (accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
@@ -170,13 +170,16 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
 @gluon.jit
 def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
               w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
-              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
+              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr, sums_ptr,
               RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
-              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr):
+              ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr,
+              SQUARE_SUMS: gl.constexpr):
     """The epilogue warps (the default partition): each tile's gradient from its slot, part
     by part, with the part's weight and state from its staging slot, through the rule,
-    the rounding and the verdict, while the matrix warpgroups compute the next tiles."""
+    the rounding and the verdict, while the matrix warpgroups compute the next tiles.
+    With ``SQUARE_SUMS`` the tile's Σ g² (the parts' sums added in part order) is stored
+    at its row-major index."""
     BLOCK_N: gl.constexpr = grad_smem.shape[1]
     BLOCK_K: gl.constexpr = grad_smem.shape[2]
     PART_N: gl.constexpr = w_smem.shape[1]
@@ -200,10 +203,14 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
         gslot = visit % GSLOTS
         mbarrier.wait(grad_ready.index(gslot), (visit // GSLOTS) & 1)
         grad = grad_smem.index(gslot)
+        squares = 0.0
         for j in gl.static_range(SPLIT):
             slot = part % SLOTS
             g = _part(grad, _part_row(j, BLOCK_K, PART_N, PART_K), _part_col(j, BLOCK_K, PART_K), PART_N, PART_K)
-            _epilogue_part(g.load(epi), w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem.index(slot),
+            g = g.load(epi)
+            if SQUARE_SUMS:
+                squares += _square_sum(g)
+            _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem.index(slot),
                            s0_smem.index(slot), s1_smem.index(slot), s2_smem.index(slot), epi_ready.index(slot),
                            epi_free.index(slot), (part // SLOTS) & 1, grad_free.index(gslot), j == SPLIT - 1,
                            inputs_ok, tile_id * SPLIT + j, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
@@ -211,17 +218,20 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
                            h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16,
                            STOCHASTIC, ALIGNED)
             part += 1
+        if SQUARE_SUMS:
+            gl.store(sums_ptr + tile_id, squares)
         visit += 1
 
 
 @gluon.jit(do_not_specialize=["row0", "col0", "global_k", "seed"])
 def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr,
                  flag_ptr, status_ptr, T, N, K, row0, col0, global_k, grad_scale,
-                 h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
+                 h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr, sums_ptr,
                  RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
-                 DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr):
+                 DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+                 SQUARE_SUMS: gl.constexpr):
     """Persistent, one program per multiprocessor: the matrix warpgroups compute this
     program's gradient tiles one after another into the gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
@@ -240,8 +250,8 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
                      w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
                      grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
-                     RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS,
-                     DEVICE_GRAD_SCALE)),
+                     sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
+                     DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS)),
         (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,

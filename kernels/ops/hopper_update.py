@@ -90,9 +90,10 @@ def descriptors(config, x, dy, weight, slot_tensors):
             + [_tile_descriptor(t, part) for t in [weight] + slot_tensors])
 
 
-def launch(epilogue, x, dy, weight):
+def launch(epilogue, x, dy, weight, square_sums=None):
     """Launch the Hopper kernel for an ``_Epilogue`` (arguments checked by
-    ``hopper_support.check_hopper_launch``); returns the compiled kernel's handle."""
+    ``hopper_support.check_hopper_launch``), keeping each tile's Σ dW² in ``square_sums``
+    when given; returns the compiled kernel's handle."""
     config = epilogue.config
     T, K = x.shape
     N = weight.shape[0]
@@ -108,10 +109,12 @@ def launch(epilogue, x, dy, weight):
             *descriptors(config, x, dy, weight, epilogue.slot_tensors), weight, *epilogue.slot_tensors,
             epilogue.flags, epilogue.status, T, N, K, *epilogue.place,
             epilogue.grad_scale, *epilogue.scalars, epilogue.seed, *epilogue.device_scalars, epilogue.grad_scale_ptr,
+            weight if square_sums is None else square_sums,  # an unused pointer without sums
             RULE=args["RULE"], VARIANT=args["VARIANT"], HAS_S0=args["HAS_S0"], HAS_S1=args["HAS_S1"],
             HAS_S2=args["HAS_S2"], W_BF16=args["W_BF16"], S_BF16=args["S_BF16"], STOCHASTIC=args["STOCHASTIC"],
             ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"],
             DEVICE_GRAD_SCALE=args["DEVICE_GRAD_SCALE"], NUM_STAGES=config.num_stages,
+            SQUARE_SUMS=square_sums is not None,
             **structure_constants(config), num_warps=config.num_warps, enable_fp_fusion=False)
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
         staged = (f"{config.staging_slots} slots" if kernel_for(config) is split_kernel
