@@ -185,7 +185,7 @@ def test_the_hopper_kernels_keep_each_tiles_sum_within_its_bound(config):
     m squares, proofs/gradient_norm.md), at the tile's row-major index (the split
     kernel's tiles run in bands); the step is the bits of the same step without sums."""
     x, dy, weight, state, rule, _ = _problem("bf16", "cuda", t=96, n=384, k=256)
-    sums = fk.empty_square_sums(weight.shape, config, "cuda")
+    sums = _sums(weight, config)
     kept = _step(x, dy, weight, state, rule, config, square_sums=sums)
     _assert_same_step(kept, _step(x, dy, weight, state, rule, config), "with sums")
     grad = fk.weight_gradient(x, dy, config=config).double()
