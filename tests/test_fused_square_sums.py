@@ -169,6 +169,15 @@ def test_previous_norm_steps_with_tile_norms_run_no_separate_norm_pass(oracle, d
     assert len(calls) == layers and all(math.isfinite(n) and n > 0.05 for n in norms)
 
 
+def _exact_tile_sums(x, dy, config):
+    """Each tile's Σ dW² in float64 (the fp32 dW elements are exact inputs), zero-padded
+    to whole tiles."""
+    grad = fk.weight_gradient(x, dy, config=config).double()
+    n, k = grad.shape
+    grad = torch.nn.functional.pad(grad, (0, -k % config.block_k, 0, -n % config.block_n))
+    return grad.reshape(-1, config.block_n, grad.shape[1] // config.block_k, config.block_k).square().sum(dim=(1, 3))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the hopper kernel runs on compute capability 9.x GPUs only")
 @pytest.mark.exactness
@@ -180,17 +189,31 @@ def test_previous_norm_steps_with_tile_norms_run_no_separate_norm_pass(oracle, d
     ids=["split-rows", "split-columns", "pingpong", "pingpong-parts"])
 def test_the_hopper_kernels_keep_each_tiles_sum_within_its_bound(config):
     """The Hopper kernels keep the sums in their epilogues (a tile's parts' sums added in
-    part order, each a tree of the part's layout): each tile's sum is within the fp32
-    summing bound of its float64 value (a square's rounding and γ_{m-1} over the tile's
-    m squares, proofs/gradient_norm.md), at the tile's row-major index (the split
-    kernel's tiles run in bands); the step is the bits of the same step without sums."""
-    x, dy, weight, state, rule, _ = _problem("bf16", "cuda", t=96, n=384, k=256)
+    part order, each a tree of the part's layout). On a ragged 2600 x 2056 weight (over
+    264 tiles: every program, and both ping-pong consumers, take several; partial tiles
+    at both edges and a partial band): each tile's sum is within the fp32 summing bound
+    of its float64 value (a square's rounding and γ_{m-1} over the tile's m squares,
+    proofs/gradient_norm.md), and the step is the bits of the same step without sums.
+    Then one tile alone made nonzero (x and dy zero outside its rows and columns), for
+    the first tile, one in the partial last band and the last: its sum lands at its
+    row-major index and every other tile's is +0 (no sum carried from tile to tile)."""
+    x, dy, weight, state, rule, _ = _problem("bf16", "cuda", t=160, n=2600, k=2056)
     sums = _sums(weight, config)
     kept = _step(x, dy, weight, state, rule, config, square_sums=sums)
     _assert_same_step(kept, _step(x, dy, weight, state, rule, config), "with sums")
-    grad = fk.weight_gradient(x, dy, config=config).double()
-    tiles = grad.reshape(-1, config.block_n, grad.shape[1] // config.block_k, config.block_k)
-    exact = tiles.square().sum(dim=(1, 3))
+    exact = _exact_tile_sums(x, dy, config)
+    assert sums.shape == exact.shape and sums.numel() > 264
     u = UNIT_ROUNDOFF[torch.float32]
     relative = (1 + u) * (1 + gamma(config.block_n * config.block_k - 1, u)) - 1
     assert (sums.double() - exact).abs().le(exact * relative).all(), (sums, exact)
+    tiles_n, tiles_k = sums.shape
+    for row, col in [(0, 0), (tiles_n - 1, tiles_k // 2), (tiles_n - 1, tiles_k - 1)]:
+        rows = slice(row * config.block_n, (row + 1) * config.block_n)
+        cols = slice(col * config.block_k, (col + 1) * config.block_k)
+        hot_x, hot_dy = torch.zeros_like(x), torch.zeros_like(dy)
+        hot_x[:, cols], hot_dy[:, rows] = x[:, cols], dy[:, rows]
+        sums = _sums(weight, config)
+        _step(hot_x, hot_dy, weight, state, rule, config, square_sums=sums)
+        expected = _exact_tile_sums(hot_x, hot_dy, config)
+        assert expected[row, col] > 0 and torch.equal(sums != 0, expected != 0), (row, col)
+        assert abs(float(sums[row, col]) - float(expected[row, col])) <= float(expected[row, col]) * relative
