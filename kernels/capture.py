@@ -81,14 +81,12 @@ within the bound of ``proofs/gradient_norm.md`` of the exact norm, not
 coefficient (``fused_weight_update(..., square_sums=)``; the exact first step takes them
 from the tile loop, ``weight_gradient_norm``), so no fused layer's gradient is stored in
 any step (``oracle=False``, the default); bitwise that Trainer
-(``tests/test_captured_clipping.py``, on a GPU; it ran there before the fused step kept
-the sums, when a separate tile loop took them: the present path waits for a GPU run).
-That costs no second pass over the tokens (a separate pass measured on an H200,
-``benchmarks/probe_gradient_norm.py``:
-0.27-0.43x the fused step at 512-1,024 tokens, 0.70-0.79x at 4,096). Gradient norms step
-from the gradient with the rule's own kernel instead of the fused step, so at 4,096 tokens
-their whole step was the faster (two Llama-3-8B-shaped blocks: 26.9 against 29.9 ms,
-bf16; at 512 tokens 9.8 against 7.7 ms), at the cost of the largest layer's fp32 gradient.
+(``tests/test_captured_clipping.py``, on a GPU).
+That costs no second pass over the tokens: on an H200 the step keeping its sums, then the
+norm, took 1.05-1.15x the plain step at 512-1,024 tokens (``benchmarks/probe_gradient_norm.py``,
+979663d), and two Llama-3-8B-shaped blocks stepped faster with tile norms than with gradient
+norms (bf16: 6.24 against 9.61 ms at 512 tokens, 24.94 against 26.51 at 4,096), without
+the largest layer's fp32 gradient that gradient norms store.
 ``clipping="exact"`` is refused: it needs two forward/backward passes per step with the
 RNG rewound between them, and a ``CapturedStep`` records one pass of ``step_fn``.
 
