@@ -5,7 +5,9 @@ second pass over the tokens (proofs/gradient_norm.md).
 Under the interpreter the sums are bitwise ``weight_gradient_square_sums``' (the same
 tile loop, the same summing code), fused and oracle; on every backend the step's own
 bits do not change and the norm is within the proof's bound of the float64 norm; the
-Trainer's previous-norm steps with tile norms run no separate norm pass.
+Trainer's previous-norm steps with tile norms run no separate norm pass. On a Hopper
+GPU the Hopper kernels' sums (each part's tree sum, parts added in part order) are
+checked tile by tile within the fp32 summing bound of their float64 values.
 """
 
 import math
@@ -147,8 +149,9 @@ def test_a_wrong_sums_buffer_is_refused_before_anything_runs(device):
 def test_previous_norm_steps_with_tile_norms_run_no_separate_norm_pass(oracle, device, monkeypatch):
     """The exact first step measures every layer's norm with ``weight_gradient_norm`` (its
     first pass steps nothing); the previous-norm steps after it take the norms from the
-    fused steps' sums and never call it. On the portable kernel no second tile loop runs
-    for the sums either (the fused kernel's own; the oracle sums its gradient)."""
+    fused steps' sums and never call it. No second tile loop runs for the sums either
+    (the fused kernel, at this test's portable tile, keeps its own; the oracle sums its
+    gradient)."""
     model = fk.fuse(_gpt(device), fk.AdamW(lr=1e-2), oracle=oracle)
     layers = len(fk.fused_layers(model))
     trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model), lr=3e-3), max_norm=0.05,
