@@ -72,8 +72,8 @@ def busy_and_gaps(intervals):
 
 
 def breakdown(step, steps):
-    """Per step (the mean of ``steps`` profiled ones): wall time (events around each step,
-    synchronized after it as ``bench_model`` times it), GPU time per kind and per kernel,
+    """Per step of ``steps`` profiled ones: the median wall time (``bench_model.measure``:
+    events around each step, synchronized after it), the mean GPU time per kind and kernel,
     the GPU's busy time (the union of its activities' intervals) and the idle gaps inside
     the profiled steps: each gap is measured from the latest end so far, and the
     ``steps - 1`` gaps between steps, where the host waits for the synchronization and
@@ -82,16 +82,8 @@ def breakdown(step, steps):
     them after the next step's start event)."""
     for _ in range(4):
         step()
-    torch.cuda.synchronize()
-    walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            walls.append(start.elapsed_time(end))
+        wall = bm.measure(step, warmup=0, steps=steps)[0]
     per_kind, per_name = collections.Counter(), collections.Counter()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
@@ -100,7 +92,7 @@ def breakdown(step, steps):
         per_kind[kind(event.name)] += us
         per_name[event.name] += us
     busy, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end, e.name) for e in events])
-    return sum(walls) / steps, busy / steps, per_kind, per_name, sorted(gaps, reverse=True)[steps - 1:]
+    return wall, busy / steps, per_kind, per_name, sorted(gaps, reverse=True)[steps - 1:]
 
 
 def main(argv=None):
@@ -118,7 +110,7 @@ def main(argv=None):
         sys.exit("probe_model_step.py measures on a GPU; none is visible here")
     configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"per step, mean of {args.steps} profiled steps")
+          f"per step of {args.steps} profiled steps (wall: median; GPU times: mean)")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name in args.variants.split(","):
             for method in args.methods.split(","):
