@@ -124,7 +124,8 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sum
     signature.update(w_ptr=pointer, s0_ptr=pointer, s1_ptr=pointer, s2_ptr=pointer, flag_ptr="*i32",
                      status_ptr="*i32", T="i32", N="i32", K="i32", row0="i32", col0="i32", global_k="i32",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr="*fp32",
-                     seed_ptr="*i64", grad_scale_ptr=pointer, sums_ptr="*fp32")  # a StepScalars' float32 values and int64 key
+                     seed_ptr="*i64",  # a StepScalars' float32 values and int64 key
+                     grad_scale_ptr=pointer, sums_ptr="*fp32")
     rule = fk.AdamW()
     constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
                      W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,

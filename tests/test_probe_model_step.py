@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-probe = pytest.importorskip("probe_model_step")
+import probe_model_step as probe  # noqa: E402  (a benchmark script, not a package)
 
 
 def test_busy_time_is_the_union_and_a_nested_activity_opens_no_gap():

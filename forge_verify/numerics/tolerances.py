@@ -48,6 +48,14 @@ def accumulation_rtol(backend: str, operand_dtype: torch.dtype, length: int) -> 
     return gamma(max(length, 1), ACCUMULATION_UNIT[(backend, operand_dtype)])
 
 
+def tile_square_sum_factor(m: int) -> float:
+    """1 + the relative bound on a tile's fp32 sum of ``m`` squares of exact fp32 inputs
+    against its real value (proofs/gradient_norm.md): each square rounded once, the m
+    squares summed in fp32 in any order (γ_{m-1}); gradual underflow aside."""
+    u32 = UNIT_ROUNDOFF[torch.float32]
+    return (1 + u32) * (1 + gamma(max(m - 1, 0), u32))
+
+
 def gradient_norm_bound(exact_norm: float, rows: int, cols: int, block_n: int, block_k: int) -> float:
     """Bound on |weight_gradient_norm - ‖G‖₂| for the fp32 gradient G (rows x cols, its
     elements exact inputs) summed in block_n x block_k tiles, any order inside a tile and
@@ -58,7 +66,7 @@ def gradient_norm_bound(exact_norm: float, rows: int, cols: int, block_n: int, b
     m = min(block_n, rows) * min(block_k, cols)
     tiles = -(-rows // block_n) * -(-cols // block_k)
     u32, u64 = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.float64]
-    factor = (1 + u32) * (1 + gamma(max(m - 1, 0), u32)) * (1 + gamma(max(tiles - 1, 0), u64))
+    factor = tile_square_sum_factor(m) * (1 + gamma(max(tiles - 1, 0), u64))
     squares_error = exact_norm ** 2 * (factor - 1) + rows * cols * FP32_SUBNORMAL_SPACING * factor
     # |√S − N| = |S − N²| / (√S + N), and √S ≥ √(N² − D): about D / 2N; never more than √D.
     root_error = squares_error ** 0.5
