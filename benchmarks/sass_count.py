@@ -55,6 +55,7 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool
     maxnreg = config[5] if len(config) > 5 else None
     split = config[6] if len(config) > 6 else 1
     rows = len(config) > 8 and config[8] == "rows"
+    tma = len(config) > 10 and config[10] == "tma"
     rule = fk.AdamW()
     signature = dict(x_ptr="*bf16", dy_ptr="*bf16", w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}",
                      s2_ptr=f"*{weight}", e0_ptr=f"*{exponents}", e1_ptr=f"*{exponents}", e2_ptr=f"*{weight}",
@@ -67,7 +68,12 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool
                      HAS_S2=False, W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8",
                      STOCHASTIC=stochastic, NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False,
                      DEVICE_GRAD_SCALE=False, SQUARE_SUMS=square_sums,
-                     BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False)
+                     BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False,
+                     TMA=tma)
+    if tma:  # operand_loads="tma": the blocks through host tensor descriptors
+        signature.update(x_desc=f"tensordesc<bf16[{block_t}, {block_k}]>", dy_desc=f"tensordesc<bf16[{block_t}, {block_n}]>")
+    else:
+        constants.update(x_desc=None, dy_desc=None)
     for name in KERNEL.arg_names:
         if name in constants:
             signature[name] = "constexpr"

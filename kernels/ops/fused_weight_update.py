@@ -11,6 +11,7 @@ differ only in where the epilogue's gradient tile comes from.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._backend import interpreting, on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
@@ -19,7 +20,7 @@ from .. import q8
 from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
 from .gradient_norm import _square_sum, check_square_sums, launch_square_sums
-from .hopper_support import check_hopper_launch
+from .hopper_support import check_hopper_launch, check_tma_operands
 from .stochastic_round import check_seed, paired_words, rn_bf16, sr_bf16_with, stream_seed
 from .step_scalars import StepScalars
 from .update_report import UpdateReport
@@ -265,7 +266,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 DEVICE_SCALARS: tl.constexpr, DEVICE_GRAD_SCALE: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 SPLIT: tl.constexpr, ROWS: tl.constexpr, SQUARE_SUMS: tl.constexpr,
-                                INTERPRETED: tl.constexpr):
+                                INTERPRETED: tl.constexpr, x_desc=None, dy_desc=None, TMA: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,7 +274,8 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     mask_n = offs_n < N
     mask_k = offs_k < K
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED)
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED,
+                          x_desc, dy_desc, pid_n * BLOCK_N, pid_k * BLOCK_K, TMA)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if SQUARE_SUMS:  # the tile's Σ g² of the unscaled gradient, for previous-norm clipping's norm
         tl.store(sums_ptr + tile_id, _square_sum(g, BLOCK_N, BLOCK_K, INTERPRETED))
@@ -426,6 +428,8 @@ class _Epilogue:
         """Refuse, before anything is launched, a fused call its config's kernel cannot run."""
         if self.config.kernel == "hopper":
             check_hopper_launch(x, dy, weight, self.slot_tensors, self.state_format)
+        elif self.config.operand_loads == "tma":
+            check_tma_operands(x, dy)
 
     def fused(self, x, dy, weight, square_sums=None):
         """Launch the fused kernel (and fill ``square_sums`` with the tiles' Σ dW²);
@@ -437,6 +441,10 @@ class _Epilogue:
         if config.kernel == "hopper":
             from . import hopper_update  # Gluon: imported only where it runs
             return hopper_update.launch(self, x, dy, weight, square_sums)
+        tma = {}
+        if config.operand_loads == "tma" and T > 0:  # with no tokens the loop reads nothing
+            tma = dict(x_desc=TensorDescriptor.from_tensor(x, [config.block_t, config.block_k]),
+                       dy_desc=TensorDescriptor.from_tensor(dy, [config.block_t, config.block_n]), TMA=True)
         return _fused_weight_update_kernel[self.grid](
             x, dy, weight, *self.slot_tensors, *self.exponent_tensors, self.flags, self.status, T, N, K,
             self.blocks_per_row, *self.place, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
@@ -444,7 +452,7 @@ class _Epilogue:
             weight if square_sums is None else square_sums,  # an unused pointer without sums
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             SPLIT=config.epilogue_split, ROWS=config.epilogue_axis == "rows", SQUARE_SUMS=square_sums is not None,
-            INTERPRETED=interpreting(), **config.launch_options())
+            INTERPRETED=interpreting(), **tma, **config.launch_options())
 
     def report(self, report: str, input_names: tuple, captured: bool = False):
         """The call's outcome: raised now (``"raise"``, one read of the status) or

@@ -13,14 +13,29 @@ from .._backend import interpreting
 TMA_ALIGNMENT = 16
 
 
-def _check_tma_rows(name, t):
+def check_tma_rows(name, t, reader="the hopper kernel", instead="use the portable kernel"):
+    """Refuse a 2-D tensor that TMA cannot copy rows of: ``reader`` reads it by TMA."""
     row_bytes = t.stride(0) * t.element_size()
     if t.stride(1) != 1 or row_bytes % TMA_ALIGNMENT or t.data_ptr() % TMA_ALIGNMENT:
-        raise ValueError(f"the hopper kernel reads {name} by TMA, which needs unit column stride, rows a multiple of "
+        raise ValueError(f"{reader} reads {name} by TMA, which needs unit column stride, rows a multiple of "
                          f"{TMA_ALIGNMENT} bytes apart and a {TMA_ALIGNMENT}-byte aligned start; {name} has strides "
                          f"{tuple(t.stride())} ({t.element_size()}-byte elements) and starts at byte "
-                         f"{t.data_ptr() % TMA_ALIGNMENT} of 16 (make it contiguous with a suitable width, or use "
-                         "the portable kernel)")
+                         f"{t.data_ptr() % TMA_ALIGNMENT} of 16 (make it contiguous with a suitable width, or "
+                         f"{instead})")
+
+
+def check_tma_operands(x, dy):
+    """Refuse a portable launch with ``operand_loads="tma"`` that cannot read x and dy by
+    TMA: compiled, it needs sm_90 or later; everywhere, TMA-copyable rows."""
+    if not interpreting():
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major < 9:
+            raise RuntimeError(f"TileConfig(operand_loads='tma') reads x and dy by TMA, which GPUs of compute "
+                               f"capability 9.0 and later have; {x.device} is {major}.{minor}: use "
+                               "operand_loads='pointers'")
+    for name, t in (("x", x), ("dy", dy)):
+        if t.numel():
+            check_tma_rows(name, t, "TileConfig(operand_loads='tma')", "use operand_loads='pointers'")
 
 
 def check_hopper_launch(x, dy, weight, slot_tensors, state_format):
@@ -45,7 +60,7 @@ def check_hopper_launch(x, dy, weight, slot_tensors, state_format):
                         "(float32 activations run on the portable kernel, with full-precision products)")
     for name, t in (("x", x), ("dy", dy), ("weight", weight)):
         if t.numel():
-            _check_tma_rows(name, t)
+            check_tma_rows(name, t)
         elif t.shape[1] * t.element_size() % TMA_ALIGNMENT:
             # With no rows the kernel still describes a one-row stand-in of this width to TMA.
             raise ValueError(f"the hopper kernel reads {name} by TMA, whose rows must be a multiple of "
@@ -53,4 +68,4 @@ def check_hopper_launch(x, dy, weight, slot_tensors, state_format):
                              "(use the portable kernel)")
     for i, t in enumerate(slot_tensors):
         if t is not weight:
-            _check_tma_rows(f"state slot {i}", t)
+            check_tma_rows(f"state slot {i}", t)

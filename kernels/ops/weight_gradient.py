@@ -14,7 +14,8 @@ from .validation import check_activations
 def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                       offs_n, offs_k, mask_n, mask_k,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      INTERPRETED: tl.constexpr):
+                      INTERPRETED: tl.constexpr, x_desc=None, dy_desc=None, n0=0, k0=0,
+                      TMA: tl.constexpr = False):
     """One (BLOCK_N, BLOCK_K) tile of dYᵀX, reduced over all T tokens in BLOCK_T chunks.
 
     The token loop runs in one fixed order, so each element's reduction order depends
@@ -31,6 +32,11 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
     term); the last prefix is picked by a sum in which every other term is +0, exact in
     any order. Written inline: every interpreted call of a jitted helper costs about a
     millisecond.
+
+    With ``TMA`` the blocks are read through the tensor descriptors ``x_desc`` and
+    ``dy_desc`` (the tile's first row ``n0`` and column ``k0``), which fill zeros past
+    the edges where the masked loads do: the same blocks, hence the same bits
+    (``TileConfig.operand_loads``).
     """
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     last = (tl.arange(0, BLOCK_T) == BLOCK_T - 1)[:, None, None]
@@ -38,15 +44,23 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         if INTERPRETED:
-            dy_rows = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_n[None, :] * stride_dyn,
-                              mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            x_rows = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                             mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            if TMA:
+                dy_rows = dy_desc.load([t0, n0]).to(tl.float32)
+                x_rows = x_desc.load([t0, k0]).to(tl.float32)
+            else:
+                dy_rows = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_n[None, :] * stride_dyn,
+                                  mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                x_rows = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                                 mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             # tl.cumsum and tl.sum, called through their builtins: the jitted wrappers cost
             # the interpreter ~1 ms each per call; the sum combine is the interpreter's
             # numpy cumsum / sum.
             prefixes = tl.associative_scan(dy_rows[:, :, None] * x_rows[:, None, :], 0, tl.standard._sum_combine)
             acc = acc + tl.reduce(tl.where(last, prefixes, 0.0), 0, tl.standard._sum_combine)
+        elif TMA:
+            dy_block = dy_desc.load([t0, n0])
+            x_block = x_desc.load([t0, k0])
+            acc = tl.dot(dy_block.T, x_block, acc, input_precision="ieee")
         else:
             dy_tile = tl.load(dy_ptr + offs_n[:, None] * stride_dyn + offs_t[None, :] * stride_dyt,
                               mask=mask_n[:, None] & mask_t[None, :], other=0.0)
