@@ -51,7 +51,7 @@ class TileConfig:
     blocks, their order and the ``tl.dot`` over them are the same, so it moves no bit; it
     needs unit column strides, rows a multiple of 16 bytes apart and 16-byte aligned
     starts, and is refused otherwise. Measured on an H200 with 128 x 256 tiles of 16
-    warps at 16,384 tokens: 1.06-1.23x faster than the pointer loads (README, "TMA
+    warps at 16,384 tokens: 1.01-1.13x faster than the same tiles with pointer loads (README, "TMA
     operand loads"). The Hopper kernel always reads its operands by TMA."""
 
     block_n: int = 64
