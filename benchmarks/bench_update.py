@@ -345,6 +345,14 @@ def tuned_config(configs, regime, t):
     return fk.TileConfig(*entries[str(chosen)])
 
 
+def torch_and_tuned(layer, regime, t, configs):
+    """(torch captured ms, the tuned config, its fused kernel replayed ms) on one layer:
+    the two references the probes time their variants against."""
+    config = tuned_config(configs, regime, t)
+    found = methods(layer, regime, config)
+    return timed(found["torch captured"])[0], config, timed(found["forge kernel replayed"])[0]
+
+
 def tune(shape, tokens, regimes, candidates, bandwidth, matrix_rate, writer, meta):
     """Sweep ``candidates`` per regime and token count on one shape; returns the best of each."""
     n, k = shape

@@ -22,6 +22,7 @@ import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_ker
 from checkout import parse_config  # noqa: E402
 
 import forge_kernels as fk  # noqa: E402
+from forge_verify.numerics.bits import int_view  # noqa: E402
 
 
 def stepped_bits(n, k, t, regime, config):
@@ -36,8 +37,9 @@ def stepped_bits(n, k, t, regime, config):
 
 
 def same_bits(a, b):
-    return all(torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
-                           y.view(torch.int16 if y.element_size() == 2 else torch.int32)) for x, y in zip(a, b))
+    assert len(a) == len(b)
+    return all(torch.equal(int_view(x), int_view(y)) if x.is_floating_point() else torch.equal(x, y)
+               for x, y in zip(a, b))
 
 
 def main(argv=None):
@@ -55,11 +57,7 @@ def main(argv=None):
         for t in (int(v) for v in args.tokens.split(",")):
             for regime in args.regimes.split(","):
                 layer = bu.Layer(n, k, t, regime)
-                entry = bu.tuned_config(tuned, regime, t)
-                found = bu.methods(layer, regime, entry)
-                torch_ms = bu.timed(found["torch captured"])[0]
-                tuned_ms = bu.timed(found["forge kernel replayed"])[0]
-                del found
+                torch_ms, entry, tuned_ms = bu.torch_and_tuned(layer, regime, t, tuned)
                 print(f"{n}x{k} T={t:5d} {regime:7s} torch captured {torch_ms:.4f}  tuned {entry} {tuned_ms:.4f} "
                       f"({torch_ms / tuned_ms:.3f}x)", flush=True)
                 for config in configs:

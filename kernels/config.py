@@ -50,9 +50,13 @@ class TileConfig:
     the masked loads fill zeros too; in the interpreter, the descriptors' reads). The
     blocks, their order and the ``tl.dot`` over them are the same, so it moves no bit; it
     needs unit column strides, rows a multiple of 16 bytes apart and 16-byte aligned
-    starts, and is refused otherwise. Measured on an H200 with 128 x 256 tiles of 16
-    warps at 16,384 tokens: 1.01-1.13x faster than the same tiles with pointer loads (README, "TMA
-    operand loads"). The Hopper kernel always reads its operands by TMA."""
+    starts, and is refused otherwise (compiled, also below sm_90). Only the fused launch
+    reads this way: the oracle (``oracle=True``), ``weight_gradient``, its norms and sums
+    and ``materialized_split_step`` read by pointers whatever the config says (the same
+    bits), so they take operands and GPUs the TMA loads refuse. Measured on an H200 with
+    128 x 256 tiles of 16 warps at 16,384 tokens: 1.01-1.12x faster than the same tiles
+    with pointer loads (benchmarks/results/tuning/h200-tma-operand-loads.log, call 5). The
+    Hopper kernel always reads its operands by TMA."""
 
     block_n: int = 64
     block_k: int = 64

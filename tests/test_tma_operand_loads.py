@@ -1,8 +1,9 @@
 """``TileConfig(operand_loads="tma")``: the portable kernel reading its dy and x blocks
 through tensor descriptors computes the same step, bit for bit, as with masked pointer
 loads and as the oracle (which reads by pointers), at ragged edges, with operands that are
-column slices of wider tensors, with and without gradient-norm sums; operands TMA cannot
-copy, and configs that cannot use it, are refused before anything runs."""
+column slices of wider tensors or start inside them, with and without gradient-norm sums;
+the kernel does read through the descriptors; operands TMA cannot copy, GPUs without TMA,
+and configs that cannot use it, are refused before anything runs."""
 
 import dataclasses
 
@@ -10,7 +11,15 @@ import pytest
 import torch
 
 import forge_kernels as fk
+from forge_kernels.ops import fused_weight_update as fwu
+from forge_kernels.ops import hopper_support
+from forge_kernels.token_split import linear_split_step
 from forge_verify.numerics.bits import assert_bitwise_equal
+
+# Compiled, TMA needs sm_90 or later (the refusal on older GPUs is checked below on every backend).
+needs_tma = pytest.mark.skipif(
+    not fk.interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+    reason="TMA operand loads run on sm_90 and later GPUs; this one is older")
 
 REGIMES = {  # name: (weight dtype, state format, rounding)
     "fp32": (torch.float32, "fp32", "nearest"),
@@ -44,9 +53,10 @@ def _layer(device, regime, rule):
     return w, state
 
 
-def _stepped(x, dy, regime, config, *, oracle=False, sums=False):
+def _stepped(x, dy, regime, config, *, oracle=False, sums=False, n=N):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     w, state = _layer(x.device, regime, rule)
+    w, state = w[:n], {name: value[:n] for name, value in state.items()}
     square_sums = fk.empty_square_sums(w.shape, config, w.device) if sums else None
     for step in (1, 2):
         fk.fused_weight_update(x, dy, w, state, rule, step, config=config, oracle=oracle, seed=7,
@@ -62,6 +72,7 @@ def _assert_same(a, b, where):
         assert_bitwise_equal(a[2], b[2], f"{where}: tile square sums")
 
 
+@needs_tma
 @pytest.mark.exactness
 @pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "column-slices"])
 @pytest.mark.parametrize("activations", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -76,29 +87,131 @@ def test_tma_loads_give_the_bits_of_pointer_loads_and_the_oracle(device, config,
     _assert_same(by_tma, _stepped(x, dy, regime, config, oracle=True, sums=sums), f"{regime}: tma against the oracle")
 
 
+@needs_tma
+@pytest.mark.exactness
+@pytest.mark.parametrize("case", ["inner-start", "few-rows", "few-tokens"])
+def test_tma_loads_at_offsets_and_below_one_block(device, case):
+    """Operands starting 8 bf16 columns (16 bytes) into wider tensors; fewer weight rows
+    than a tile's 32; fewer tokens than a block's 16: the descriptors' zero fill."""
+    x, dy = _operands(device, torch.bfloat16, True)
+    n = N
+    if case == "inner-start":
+        x = torch.randn(T, K + 24, device=device).to(torch.bfloat16)[:, 8:K + 8]
+        dy = torch.randn(T, N + 24, device=device).mul(0.1).to(torch.bfloat16)[:, 8:N + 8]
+    elif case == "few-rows":
+        n = 16
+        dy = dy[:, :n]
+    else:
+        x, dy = x[:5], dy[:5]
+    tma = dataclasses.replace(POINTERS, operand_loads="tma")
+    by_tma = _stepped(x, dy, "bf16-sr", tma, sums=True, n=n)
+    _assert_same(by_tma, _stepped(x, dy, "bf16-sr", POINTERS, sums=True, n=n), f"{case}: tma against pointers")
+    _assert_same(by_tma, _stepped(x, dy, "bf16-sr", POINTERS, oracle=True, sums=True, n=n), f"{case}: the oracle")
+
+
+@needs_tma
+def test_the_kernel_reads_through_the_descriptors(device, monkeypatch):
+    """Descriptors made over 2 x instead of x: the step is the pointer loads' step on 2 x,
+    and not on x. (Bitwise equality with the pointer loads alone could not tell a kernel
+    that ignored its descriptors.)"""
+    x, dy = _operands(device, torch.bfloat16, True)
+    made, kept = [], []
+
+    class Doubling:
+        @staticmethod
+        def from_tensor(t, block):
+            made.append(tuple(block))
+            if len(made) == 1:  # x: the first descriptor made
+                t = t * 2
+                kept.append(t)  # alive until the launch has run
+            return fk_descriptor(t, block)
+
+    fk_descriptor = fwu.TensorDescriptor.from_tensor
+    monkeypatch.setattr(fwu, "TensorDescriptor", Doubling)
+    tma = dataclasses.replace(POINTERS, operand_loads="tma")
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    w, state = _layer(device, "fp32", rule)
+    fk.fused_weight_update(x, dy, w, state, rule, 1, config=tma, rounding="nearest")
+    assert made == [(POINTERS.block_t, POINTERS.block_k), (POINTERS.block_t, POINTERS.block_n)]
+    monkeypatch.undo()
+    doubled = (x * 2).contiguous()
+    w2, state2 = _layer(device, "fp32", rule)
+    fk.fused_weight_update(doubled, dy, w2, state2, rule, 1, config=POINTERS, rounding="nearest")
+    _assert_same((w, state, None), (w2, state2, None), "descriptors over 2 x against pointer loads of 2 x")
+    w1, state1 = _layer(device, "fp32", rule)
+    fk.fused_weight_update(x, dy, w1, state1, rule, 1, config=POINTERS, rounding="nearest")
+    assert not torch.equal(w, w1), "the step ignored its descriptors: it equals the pointer loads' step on x"
+
+
+@needs_tma
 def test_no_tokens_take_a_zero_gradient_step(device):
+    """No tokens, no descriptor (nothing is read): the step of a zero gradient."""
     x, dy = _operands(device, torch.bfloat16, False)
     tma = dataclasses.replace(POINTERS, operand_loads="tma")
-    _assert_same(_stepped(x[:0], dy[:0], "fp32", tma), _stepped(x[:0], dy[:0], "fp32", POINTERS), "no tokens")
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    w, state = _layer(device, "fp32", rule)
+    fk.fused_weight_update(x[:0], dy[:0], w, state, rule, 1, config=tma, rounding="nearest")
+    w0, state0 = _layer(device, "fp32", rule)
+    fk.apply_rule(torch.zeros(N, K, device=device), w0, state0, rule, 1, config=POINTERS, rounding="nearest")
+    _assert_same((w, state, None), (w0, state0, None), "no tokens against a zero gradient")
 
 
-@pytest.mark.parametrize("bad", ["odd-start", "odd-row-bytes", "column-stride"])
-def test_operands_tma_cannot_copy_are_refused_before_anything_runs(device, bad):
-    x, dy = _operands(device, torch.bfloat16, True)
+def _untouchable(device, name, bad):
+    """``name``'s operand (x is (T, K), dy is (T, N)) laid out so TMA cannot copy it."""
+    width = K if name == "x" else N
     if bad == "odd-start":  # one bf16 element in: 2 bytes past a 16-byte boundary
-        x = torch.zeros(T, K + 16, device=device, dtype=torch.bfloat16)[:, 1:K + 1]
-    elif bad == "odd-row-bytes":  # rows 2 * 161 bytes apart
-        x = torch.zeros(T, K + 1, device=device, dtype=torch.bfloat16)[:, :K]
+        return torch.zeros(T, width + 16, device=device, dtype=torch.bfloat16)[:, 1:width + 1]
+    if bad == "odd-row-bytes":  # rows 2 * (width + 1) bytes apart
+        return torch.zeros(T, width + 1, device=device, dtype=torch.bfloat16)[:, :width]
+    return torch.zeros(width, T, device=device, dtype=torch.bfloat16).t()
+
+
+@needs_tma
+@pytest.mark.parametrize("name", ["x", "dy"])
+@pytest.mark.parametrize("bad", ["odd-start", "odd-row-bytes", "column-stride"])
+def test_operands_tma_cannot_copy_are_refused_before_anything_runs(device, bad, name):
+    x, dy = _operands(device, torch.bfloat16, True)
+    if name == "x":
+        x = _untouchable(device, name, bad)
     else:
-        x = torch.zeros(K, T, device=device, dtype=torch.bfloat16).t()
+        dy = _untouchable(device, name, bad)
     rule = fk.AdamW()
     w, state = _layer(device, "fp32", rule)
-    before = w.clone(), {name: value.clone() for name, value in state.items()}
-    with pytest.raises(ValueError, match=r"operand_loads='tma'.* reads x by TMA"):
+    before = w.clone(), {key: value.clone() for key, value in state.items()}
+    with pytest.raises(ValueError, match=rf"operand_loads='tma'.* reads {name} by TMA"):
         fk.fused_weight_update(x, dy, w, state, rule, 1, config=dataclasses.replace(POINTERS, operand_loads="tma"))
     _assert_same((w, state, None), (*before, None), "a refused call")
     # The same operands through pointer loads: taken.
     fk.fused_weight_update(x, dy, w, state, rule, 1, config=POINTERS)
+
+
+@needs_tma
+def test_a_split_step_refuses_a_later_part_before_writing_the_first(device):
+    """``linear_split_step`` launches once per part: a part TMA cannot copy, after one it
+    can, is refused before the first part's step is written."""
+    x, dy = _operands(device, torch.float32, False)
+    rule = fk.SGD(lr=0.1)
+    w = torch.randn(N, K, device=device)
+    state = rule.init_state(w)
+    before = w.clone()
+    parts = [(x, dy), (torch.zeros(T, K + 1, device=device)[:, :K], dy)]
+    with pytest.raises(ValueError, match=r"operand_loads='tma'.* reads x by TMA"):
+        linear_split_step(parts, w, state, rule, 1, config=dataclasses.replace(POINTERS, operand_loads="tma"))
+    assert_bitwise_equal(w, before, "the weight after a refused split step")
+
+
+def test_gpus_without_tma_are_refused(device, monkeypatch):
+    """Compiled on a GPU older than sm_90 (stood in for here on every backend), a TMA
+    config is refused before anything runs, naming the pointer loads that run there."""
+    monkeypatch.setattr(hopper_support, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    x, dy = _operands(device, torch.bfloat16, False)
+    rule = fk.AdamW()
+    w, state = _layer(device, "fp32", rule)
+    before = w.clone()
+    with pytest.raises(RuntimeError, match=r"capability 9\.0 and later.*is 8\.0: use operand_loads='pointers'"):
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=dataclasses.replace(POINTERS, operand_loads="tma"))
+    assert_bitwise_equal(w, before, "the weight after a refused call")
 
 
 def test_configs_that_cannot_use_tma_loads_are_refused():

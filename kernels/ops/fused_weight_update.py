@@ -467,6 +467,15 @@ class _Epilogue:
         return None
 
 
+def check_fused_launch(x, dy, weight, state, rule, config=None):
+    """Refuse what ``fused_weight_update(x, dy, weight, state, rule, ..., config=config)``
+    would refuse before its launch (the inputs, and what the config's kernel and loads
+    need), writing nothing: for callers that launch once per part, so that a later part's
+    refusal cannot follow an earlier part's write."""
+    check_update_inputs(x, dy, weight, state, rule)
+    _Epilogue(weight, state, rule, 1, config, None, 0, 1.0, None).check_fused(x, dy, weight)
+
+
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
                         rounding=None, seed=0, grad_scale=1.0, weight_slice=None, report="raise",
                         square_sums=None):

@@ -1,4 +1,5 @@
-"""What the Hopper kernel (``TileConfig(kernel="hopper")``, ``hopper_update``) needs, checked
+"""What the Hopper kernel (``TileConfig(kernel="hopper")``, ``hopper_update``) and the
+portable kernel's TMA operand loads (``TileConfig(operand_loads="tma")``) need, checked
 before anything is launched: every refusal says what was wrong and what runs instead.
 
 Kept apart from ``hopper_update`` so that it imports without Gluon: on the CPU the first
