@@ -41,13 +41,14 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     last = (tl.arange(0, BLOCK_T) == BLOCK_T - 1)[:, None, None]
     for t0 in range(0, T, BLOCK_T):
+        if not TMA:  # the descriptors bound their reads themselves
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < T
         if INTERPRETED:
             if TMA:
                 dy_rows = dy_desc.load([t0, n0]).to(tl.float32)
                 x_rows = x_desc.load([t0, k0]).to(tl.float32)
             else:
-                offs_t = t0 + tl.arange(0, BLOCK_T)
-                mask_t = offs_t < T
                 dy_rows = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_n[None, :] * stride_dyn,
                                   mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
                 x_rows = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
@@ -62,8 +63,6 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
             x_block = x_desc.load([t0, k0])
             acc = tl.dot(dy_block.T, x_block, acc, input_precision="ieee")
         else:
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            mask_t = offs_t < T
             dy_tile = tl.load(dy_ptr + offs_n[:, None] * stride_dyn + offs_t[None, :] * stride_dyt,
                               mask=mask_n[:, None] & mask_t[None, :], other=0.0)
             x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
