@@ -1,11 +1,15 @@
 """Which tile configs are exactness-equivalent.
 
 Claim: the bits do not depend on BLOCK_N or BLOCK_K (each element's token sum runs
-in the same order whatever tile it sits in). Whether BLOCK_T changes the bits is a
+in the same order whatever tile it sits in), nor on how the first config reads its
+operands (masked pointer loads or TMA tensor descriptors: ``TileConfig.operand_loads``;
+the second reads by pointers). Whether BLOCK_T changes the bits is a
 per-backend finding (forge_verify.numerics.findings): asserted on a fixed problem so that a
 change of behaviour is noticed, and where it does not, configs with different
 BLOCK_T are drawn into the invariance property too.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -26,10 +30,12 @@ pytestmark = pytest.mark.exactness
 @given(data=st.data())
 def test_exactness_equivalent_configs_give_same_bits(family, data, device, backend):
     """Configs that differ in BLOCK_N, BLOCK_K (and BLOCK_T, where the backend's finding
-    says it does not matter) give the same bits."""
-    problem = data.draw(fst.problems(max_steps=2), label="problem")
+    says it does not matter), and in how they read their operands, give the same bits."""
+    loads = data.draw(fst.operand_loads(), label="operand_loads")
+    unit = fst.TMA_FEATURE_UNIT if loads == "tma" else 1
+    problem = data.draw(fst.problems(max_steps=2, feature_unit=unit), label="problem")
     rule = data.draw(fst.RULES[family], label="rule")
-    config_a = data.draw(fst.tile_configs(), label="config_a")
+    config_a = dataclasses.replace(data.draw(fst.tile_configs(), label="config_a"), operand_loads=loads)
     block_t = config_a.block_t if findings.BLOCK_T_CHANGES_BITS[(backend, problem.dtype)] else None
     config_b = data.draw(fst.tile_configs(block_t=block_t), label="config_b")
     regime = data.draw(fst.regimes(), label="regime")

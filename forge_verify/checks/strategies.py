@@ -37,12 +37,33 @@ def sizes(max_size=81):
     return st.one_of(st.sampled_from([s for s in EDGE_SIZES if s <= max_size]), st.integers(1, max_size))
 
 
-def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYPES, allow_no_tokens=True):
+# Features in multiples of 8: rows of bf16 (and fp32) activations 16-byte multiples apart,
+# which TMA operand loads (TileConfig.operand_loads="tma") need.
+TMA_FEATURE_UNIT = 8
+
+
+def feature_sizes(max_size=81, unit=1):
+    """Feature counts; with ``unit`` > 1, multiples of it (still ragged against every tile)."""
+    if unit == 1:
+        return sizes(max_size)
+    return st.integers(1, max_size // unit).map(lambda v: v * unit)
+
+
+def operand_loads():
+    """How the portable kernel reads its operands: TMA where this backend has it (the
+    interpreter, sm_90 and later GPUs), else pointers alone."""
+    compiled_without_tma = (not fk.interpreting() and torch.cuda.is_available()
+                            and torch.cuda.get_device_capability()[0] < 9)
+    return st.just("pointers") if compiled_without_tma else st.sampled_from(("pointers", "tma"))
+
+
+def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYPES, allow_no_tokens=True,
+             feature_unit=1):
     tokens = sizes(max_tokens)
     if allow_no_tokens:
         tokens = st.one_of(st.just(0), tokens)
-    return st.builds(Problem, tokens=tokens, out_features=sizes(max_features),
-                     in_features=sizes(max_features), dtype=st.sampled_from(dtypes),
+    return st.builds(Problem, tokens=tokens, out_features=feature_sizes(max_features, feature_unit),
+                     in_features=feature_sizes(max_features, feature_unit), dtype=st.sampled_from(dtypes),
                      steps=st.integers(1, max_steps), seed=st.integers(0, 2**31 - 1),
                      scale=st.sampled_from((1e-3, 1.0, 30.0)), sparse=st.booleans())
 
