@@ -25,7 +25,7 @@ given; a fused step per part would apply it to partial sums, which is not the st
 import torch
 import torch.distributed as dist
 
-from .ops.fused_weight_update import apply_rule, check_fused_launch, fused_weight_update
+from .ops.fused_weight_update import apply_rule, check_fused_parts, fused_weight_update
 from .ops.weight_gradient import weight_gradient
 from .weight_slice import WeightSlice
 
@@ -56,8 +56,7 @@ def linear_split_step(parts, weight, state, rule, step, *, group=None, config=No
     if weight.dtype != torch.float32 or any(t.dtype != torch.float32 for t in state.values()):
         raise TypeError("linear_split_step adds steps in the storage format: it needs fp32 weight and state "
                         "(a bf16 or q8 sum would round once more per part)")
-    for x, dy in parts:  # every part before the first write: a refusal leaves weight and state as they were
-        check_fused_launch(x, dy, weight, state, rule, config)
+    check_fused_parts(parts, weight, state, rule, config)  # before the first write: a refusal changes nothing
     contributions = list(parts)
     if _rank(group) == 0:
         x, dy = contributions.pop(0)

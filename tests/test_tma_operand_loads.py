@@ -17,9 +17,8 @@ from forge_kernels.token_split import linear_split_step
 from forge_verify.numerics.bits import assert_bitwise_equal
 
 # Compiled, TMA needs sm_90 or later (the refusal on older GPUs is checked below on every backend).
-needs_tma = pytest.mark.skipif(
-    not fk.interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
-    reason="TMA operand loads run on sm_90 and later GPUs; this one is older")
+needs_tma = pytest.mark.skipif(not hopper_support.tma_available(),
+                               reason="TMA operand loads run on sm_90 and later GPUs; this one is older")
 
 REGIMES = {  # name: (weight dtype, state format, rounding)
     "fp32": (torch.float32, "fp32", "nearest"),

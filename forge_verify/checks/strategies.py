@@ -11,6 +11,8 @@ import torch
 from hypothesis import strategies as st
 
 import forge_kernels as fk
+from forge_kernels.config import OPERAND_LOADS
+from forge_kernels.ops.hopper_support import TMA_ALIGNMENT, tma_available
 
 from .catalog import CATALOG
 from .problems import Problem, Regime
@@ -37,9 +39,9 @@ def sizes(max_size=81):
     return st.one_of(st.sampled_from([s for s in EDGE_SIZES if s <= max_size]), st.integers(1, max_size))
 
 
-# Features in multiples of 8: rows of bf16 (and fp32) activations 16-byte multiples apart,
-# which TMA operand loads (TileConfig.operand_loads="tma") need.
-TMA_FEATURE_UNIT = 8
+# Features in multiples of this: rows of bf16 (and so fp32) activations a multiple of the
+# TMA alignment apart, which TMA operand loads (TileConfig.operand_loads="tma") need.
+TMA_FEATURE_UNIT = TMA_ALIGNMENT // (torch.finfo(torch.bfloat16).bits // 8)
 
 
 def feature_sizes(max_size=81, unit=1):
@@ -52,9 +54,7 @@ def feature_sizes(max_size=81, unit=1):
 def operand_loads():
     """How the portable kernel reads its operands: TMA where this backend has it (the
     interpreter, sm_90 and later GPUs), else pointers alone."""
-    compiled_without_tma = (not fk.interpreting() and torch.cuda.is_available()
-                            and torch.cuda.get_device_capability()[0] < 9)
-    return st.just("pointers") if compiled_without_tma else st.sampled_from(("pointers", "tma"))
+    return st.sampled_from(OPERAND_LOADS) if tma_available() else st.just("pointers")
 
 
 def problems(max_tokens=96, max_features=81, max_steps=3, dtypes=ACTIVATION_DTYPES, allow_no_tokens=True,

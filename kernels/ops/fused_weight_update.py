@@ -467,13 +467,15 @@ class _Epilogue:
         return None
 
 
-def check_fused_launch(x, dy, weight, state, rule, config=None):
+def check_fused_parts(parts, weight, state, rule, config=None):
     """Refuse what ``fused_weight_update(x, dy, weight, state, rule, ..., config=config)``
-    would refuse before its launch (the inputs, and what the config's kernel and loads
-    need), writing nothing: for callers that launch once per part, so that a later part's
-    refusal cannot follow an earlier part's write."""
-    check_update_inputs(x, dy, weight, state, rule)
-    _Epilogue(weight, state, rule, 1, config, None, 0, 1.0, None).check_fused(x, dy, weight)
+    would refuse before its launch for any ``(x, dy)`` of ``parts`` (the inputs, and what
+    the config's kernel and loads need), writing nothing: for callers that launch once per
+    part, so that a later part's refusal cannot follow an earlier part's write."""
+    epilogue = _Epilogue(weight, state, rule, 1, config, None, 0, 1.0, None)
+    for x, dy in parts:
+        check_update_inputs(x, dy, weight, state, rule)
+        epilogue.check_fused(x, dy, weight)
 
 
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,

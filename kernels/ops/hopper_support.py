@@ -25,15 +25,20 @@ def check_tma_rows(name, t, reader="the hopper kernel", instead="use the portabl
                          f"{instead})")
 
 
+def tma_available(device=None) -> bool:
+    """Whether the portable kernel can read its operands by TMA on ``device`` (the current
+    CUDA device by default): in the interpreter always, compiled on sm_90 and later."""
+    return interpreting() or (torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def check_tma_operands(x, dy):
     """Refuse a portable launch with ``operand_loads="tma"`` that cannot read x and dy by
     TMA: compiled, it needs sm_90 or later; everywhere, TMA-copyable rows."""
-    if not interpreting():
+    if not tma_available(x.device):
         major, minor = torch.cuda.get_device_capability(x.device)
-        if major < 9:
-            raise RuntimeError(f"TileConfig(operand_loads='tma') reads x and dy by TMA, which GPUs of compute "
-                               f"capability 9.0 and later have; {x.device} is {major}.{minor}: use "
-                               "operand_loads='pointers'")
+        raise RuntimeError(f"TileConfig(operand_loads='tma') reads x and dy by TMA, which GPUs of compute "
+                           f"capability 9.0 and later have; {x.device} is {major}.{minor}: use "
+                           "operand_loads='pointers'")
     for name, t in (("x", x), ("dy", dy)):
         if t.numel():
             check_tma_rows(name, t, "TileConfig(operand_loads='tma')", "use operand_loads='pointers'")
