@@ -8,7 +8,9 @@ mean square of the output. Every linear weight is fused (``fk.fuse``) in the FOR
 variant; the norms' weights are stepped by a torch AdamW in both variants.
 
 Variants: ``bf16`` (bf16 weights; FORGE keeps bf16 state with stochastic rounding, torch
-keeps bf16 state) and ``fp32-master`` (fp32 weights under bf16 autocast; fp32 state).
+keeps bf16 state), ``bf16-rn`` (the same, FORGE rounding its bf16 stores to nearest as
+torch does: the like-for-like comparison; its torch rows are ``bf16``'s) and
+``fp32-master`` (fp32 weights under bf16 autocast; fp32 state).
 Methods: ``torch``; ``forge`` (each fused layer reads its outcome once in its backward,
 ``report="raise"``, the default); ``forge deferred`` (``report="defer"``: no layer
 synchronizes, and ``fk.check_updates(model)`` reads every layer's outcome once at the
@@ -56,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_update import CONFIGS_FILE, tuned_config  # noqa: E402  (also maps kernels/ to forge_kernels)
+from bench_update import CONFIGS_FILE, REGIMES, tuned_config  # noqa: E402  (also maps kernels/ to forge_kernels)
 
 import forge_kernels as fk  # noqa: E402
 
@@ -104,9 +106,10 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
     model = build(layers, dtype)
     deferred = method in ("forge deferred", "forge captured")
     if method.startswith("forge"):
-        regime = {"bf16": "bf16-sr", "fp32-master": "fp32", "q8": "q8"}[name]
+        regime = {"bf16": "bf16-sr", "bf16-rn": "bf16-rn", "fp32-master": "fp32", "q8": "q8"}[name]
         config = tuned_config(configs, regime, tokens * batch) if configs else fk.PINNED
-        fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format={"bf16": "bf16", "q8": "q8"}.get(name, "fp32"),
+        _, state_format, rounding = REGIMES[regime]
+        fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format=state_format, rounding=rounding,
                 config=config, seed=1, report="defer" if deferred else "raise")
         others = fk.unfused_parameters(model)
     else:
@@ -252,8 +255,8 @@ def main(argv=None):
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name in args.variants.split(","):
             for method in methods:
-                if name == "q8" and not method.startswith("forge"):
-                    continue  # torch has no q8 state: the bf16 variant's torch rows are the comparison
+                if name in ("q8", "bf16-rn") and not method.startswith("forge"):
+                    continue  # the bf16 variant's torch rows are the comparison (torch has no q8 state)
                 if args.fit_under is not None:
                     batch = largest_batch(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
                                           norm=args.norm)

@@ -22,8 +22,9 @@ Methods (AdamW, lr 1e-3, weight decay 0.01; bf16 activations x (T, K) and dy (T,
 * ``torchao 8-bit``: cuBLAS dW, then torchao's ``AdamW8bit`` (q8 regime, if it runs).
 
 Regimes: ``fp32`` (fp32 weight and state), ``bf16-sr`` (bf16 weight and state,
-stochastic rounding; torch rounds to nearest), ``q8`` (bf16 weight, 8-bit state with
-stochastic codes; torch keeps bf16 state, torchao 8-bit state).
+stochastic rounding; torch rounds to nearest), ``bf16-rn`` (bf16 weight and state rounded
+to nearest, as torch rounds them: the like-for-like bf16 comparison), ``q8`` (bf16 weight,
+8-bit state with stochastic codes; torch keeps bf16 state, torchao 8-bit state).
 
 Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call); peak is
 the largest extra device memory during one step. The floor is the larger of (bytes
@@ -63,10 +64,11 @@ from forge_kernels.ops.fused_weight_update import _Epilogue  # noqa: E402
 
 SHAPES = [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)]
 TOKENS = [256, 512, 1024, 4096, 16384]
-REGIMES = {  # name: (weight dtype, state format)
-    "fp32": (torch.float32, "fp32"),
-    "bf16-sr": (torch.bfloat16, "bf16"),
-    "q8": (torch.bfloat16, "q8"),
+REGIMES = {  # name: (weight dtype, state format, FORGE's rounding of bf16 stores and q8 codes)
+    "fp32": (torch.float32, "fp32", "stochastic"),
+    "bf16-sr": (torch.bfloat16, "bf16", "stochastic"),
+    "bf16-rn": (torch.bfloat16, "bf16", "nearest"),
+    "q8": (torch.bfloat16, "q8", "stochastic"),
 }
 CONFIGS_FILE = HERE / "tuned_configs.json"
 # Tile configs the sweep tries: (block_n, block_k, block_t, num_warps, num_stages[, maxnreg[,
@@ -86,7 +88,7 @@ def rule():
 
 
 def state_bytes_per_param(regime: str) -> float:
-    w_dtype, state_format = REGIMES[regime]
+    w_dtype, state_format, _ = REGIMES[regime]
     state = rule().init_state(torch.zeros(64, 4096, dtype=w_dtype), state_format=state_format)
     return sum(t.numel() * t.element_size() for t in state.values()) / (64 * 4096)
 
@@ -117,7 +119,7 @@ class Layer:
 
     def __init__(self, n, k, t, regime, seed=0):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w_dtype, self.state_format = REGIMES[regime]
+        w_dtype, self.state_format, self.rounding = REGIMES[regime]
         self.x = torch.randn(t, k, device="cuda", generator=gen).bfloat16()
         self.dy = (torch.randn(t, n, device="cuda", generator=gen) * 1e-3).bfloat16()
         self.w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(w_dtype)
@@ -144,7 +146,7 @@ def kernel_step(layer, config, r=None, state=None):
     """The fused kernel launched alone (no argument checks, no non-finite report)."""
     r = rule() if r is None else r
     state = layer.fresh_state(r) if state is None else state
-    epilogue = _Epilogue(layer.w, state, r, 1, config, None, 0, 1.0, None)
+    epilogue = _Epilogue(layer.w, state, r, 1, config, layer.rounding, 0, 1.0, None)
     return lambda: epilogue.fused(layer.x, layer.dy, layer.w)
 
 
@@ -169,7 +171,7 @@ def captured_step(layer, config, r, state, seed=1):
     """The fused call captured once; each call sets the next step's scalars and replays."""
     scalars = fk.StepScalars(r, seed=seed, device="cuda").set(1)
     graph, _ = capture(lambda: fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, scalars, seed=seed,
-                                                      config=config, report="defer"))
+                                                      config=config, rounding=layer.rounding, report="defer"))
     steps = itertools.count(2)
 
     def step():
@@ -186,7 +188,8 @@ def methods(layer, regime, config):
     seed = iter(range(1, 10**9))
 
     def forge():
-        fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config, seed=next(seed))
+        fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config, seed=next(seed),
+                               rounding=layer.rounding)
     found["forge"] = forge
 
     pending = []
@@ -195,7 +198,7 @@ def methods(layer, regime, config):
         if pending:
             pending.pop().check()
         pending.append(fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, 1, config=config,
-                                              seed=next(seed), report="defer"))
+                                              seed=next(seed), rounding=layer.rounding, report="defer"))
     found["forge deferred"] = forge_deferred
 
     found["forge kernel"] = kernel_step(layer, config, r, state)
@@ -301,8 +304,9 @@ def oracle_pairs(n, k, t, regime, config):
     w_a, w_b = layer.w.clone(), layer.w.clone()
     s_a = layer.fresh_state(r)
     s_b = {name: v.clone() for name, v in s_a.items()}
-    fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3)
-    fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, oracle=True)
+    fk.fused_weight_update(layer.x, layer.dy, w_a, s_a, r, 1, config=config, seed=3, rounding=layer.rounding)
+    fk.fused_weight_update(layer.x, layer.dy, w_b, s_b, r, 1, config=config, seed=3, rounding=layer.rounding,
+                           oracle=True)
     return [("w", w_a, w_b)] + [(name, s_a[name], s_b[name]) for name in s_a]
 
 
@@ -317,13 +321,15 @@ def captured_pairs(n, k, t, regime, config):
     s_p = {name: v.clone() for name, v in s_c.items()}
     scalars = fk.StepScalars(r, seed=3, device="cuda").set(1)
     graph, _ = capture(lambda: fk.fused_weight_update(layer.x, layer.dy, w_c, s_c, r, scalars, seed=3, config=config,
-                                                      report="defer"))
+                                                      rounding=layer.rounding, report="defer"))
     w_p = layer.w.clone()
-    fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, 1, config=config, seed=3)  # the warm-up's step
+    fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, 1, config=config, seed=3,
+                           rounding=layer.rounding)  # the warm-up's step
     for step in (2, 3):
         scalars.set(step)
         graph.replay()
-        fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3)
+        fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, step, config=config, seed=3,
+                               rounding=layer.rounding)
     return [("w", w_c, w_p)] + [(name, s_c[name], s_p[name]) for name in s_c]
 
 

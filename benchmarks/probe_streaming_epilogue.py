@@ -16,7 +16,7 @@ written, same tiles), the fused kernel itself with no tokens (tuned config), and
 torch's fused AdamW optimizer pass alone (its gradient already made; it reads that
 gradient too, so its floor is higher by the gradient's bytes).
 
-    python3 benchmarks/probe_streaming_epilogue.py [--shape 4096x4096] [--regimes fp32,bf16-sr,q8]
+    python3 benchmarks/probe_streaming_epilogue.py [--shape 4096x4096] [--regimes fp32,bf16-sr,bf16-rn,q8]
 """
 
 import argparse
@@ -92,7 +92,7 @@ def _copy_kernel(w_ptr, s0_ptr, s1_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 def synthetic_step(layer, state, entry):
     block_n, block_k, warps, split, maxnreg = entry
     config = fk.TileConfig(block_n, block_k, 64, warps, 1, maxnreg, split)
-    e = _Epilogue(layer.w, state, bu.rule(), 1, config, None, 0, 1.0, None)
+    e = _Epilogue(layer.w, state, bu.rule(), 1, config, layer.rounding, 0, 1.0, None)
     n, k = e.shape
     args = (layer.w, *e.slot_tensors, *e.exponent_tensors, e.flags, e.status, n, k, e.blocks_per_row,
             *e.place, e.grad_scale, *e.scalars, e.seed, *e.device_scalars, e.grad_scale_ptr)
