@@ -1,0 +1,102 @@
+"""A measured lower bound on FORGE's end-to-end step with its current epilogue.
+
+``bench_model.py``'s decoder step (bf16 weights) with every linear weight frozen (forward,
+attention and every dX as in both methods; no weight gradient), and after the backward
+each linear weight stepped by the streaming epilogue kernel of
+``probe_streaming_epilogue.py`` (the fused kernel's ``_tile_epilogue`` with its gradient
+made in registers: no matrix work, no gradient read) at the fastest of its swept tiles for
+that weight's shape, with bf16 state rounded stochastically (``bf16-sr``) or to nearest
+(``bf16-rn``). A fused kernel that runs this epilogue also does the weight gradient's
+matrix work, so no FORGE step with this epilogue is expected to beat this one (a
+measurement over the swept tiles, not a proof over all). Against ``torch captured`` and
+``forge captured`` (bench_model's methods) in the same process, all in CUDA graphs.
+
+    python3 benchmarks/probe_model_bound.py [--layers 2] [--tokens 512,4096]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_model as bm  # noqa: E402
+import probe_streaming_epilogue as pse  # noqa: E402
+
+bu = pse.bu
+
+
+def fastest_entry(w, regime):
+    """The swept streaming tile that steps a weight of ``w``'s shape fastest, and its time."""
+    layer = SimpleNamespace(w=w.clone(), rounding=bu.REGIMES[regime][2])
+    state = bu.rule().init_state(layer.w, state_format="bf16")
+    timed = [(bu.timed(pse.synthetic_step(layer, state, entry)[0])[0], entry) for entry in pse.SWEEP]
+    return min(timed)
+
+
+def bound_step(layers, tokens, regime, entries):
+    """The frozen-weight step with each linear weight stepped by its streaming epilogue."""
+    model = bm.build(layers, torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    epilogues = []
+    for m in linears:
+        m.weight.requires_grad_(False)
+        layer = SimpleNamespace(w=m.weight.data, rounding=bu.REGIMES[regime][2])
+        state = bu.rule().init_state(layer.w, state_format="bf16")
+        epilogues.append(pse.synthetic_step(layer, state, entries[tuple(m.weight.shape)])[0])
+    others = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True, capturable=True)
+    x = torch.randn(1, tokens, bm.HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step_fn():
+        optimizer.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        optimizer.step()
+        for epilogue in epilogues:
+            epilogue()
+    return model, bm.torch_graph(step_fn)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--tokens", default="512,4096")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    configs = json.loads(bu.CONFIGS_FILE.read_text())
+    print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.layers} blocks", flush=True)
+    with torch.device("meta"):
+        shapes = {tuple(m.weight.shape) for m in bm.Block().modules() if isinstance(m, nn.Linear)}
+    entries = {}
+    for regime in ("bf16-sr", "bf16-rn"):
+        entries[regime] = {}
+        for shape in sorted(shapes):
+            ms, entry = fastest_entry(torch.randn(shape, device="cuda").bfloat16() * 0.02, regime)
+            entries[regime][shape] = entry
+            print(f"streaming epilogue {regime} {shape}: {entry} {ms:.4f} ms", flush=True)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        rows = {}
+        for label, make in (("torch captured", lambda: bm.variant("bf16", "torch captured", args.layers, tokens,
+                                                                   configs)),
+                            ("forge captured bf16-sr", lambda: bm.variant("bf16", "forge captured", args.layers,
+                                                                           tokens, configs)),
+                            ("forge captured bf16-rn", lambda: bm.variant("bf16-rn", "forge captured",
+                                                                           args.layers, tokens, configs)),
+                            ("bound bf16-sr", lambda: bound_step(args.layers, tokens, "bf16-sr",
+                                                                 entries["bf16-sr"])),
+                            ("bound bf16-rn", lambda: bound_step(args.layers, tokens, "bf16-rn",
+                                                                 entries["bf16-rn"]))):
+            model, step = make()
+            rows[label] = bm.measure(step, 3, args.steps)[0]
+            del model, step
+            torch.cuda.empty_cache()
+            print(f"T={tokens:5d} {label:24s} {rows[label]:.3f} ms  torch captured / this "
+                  f"{rows['torch captured'] / rows[label]:.3f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
