@@ -39,7 +39,7 @@ def kernel_step(package, layer, config_tuple, r_cls_name="AdamW"):
     state = layer.fresh_state(r)
     config = package.TileConfig(*config_tuple)
     epilogue_cls = sys.modules[f"{package.__name__}.ops.fused_weight_update"]._Epilogue
-    epilogue = epilogue_cls(layer.w, state, r, 1, config, None, 0, 1.0, None)
+    epilogue = epilogue_cls(layer.w, state, r, 1, config, layer.rounding, 0, 1.0, None)
     return lambda: epilogue.fused(layer.x, layer.dy, layer.w)
 
 

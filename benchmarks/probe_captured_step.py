@@ -45,7 +45,7 @@ def parts(layer, config):
     found["check"] = bu.capture(lambda: launch_finite_check(status, layer.x, layer.dy))[0].replay
     found["status zeros"] = bu.capture(lambda: torch.zeros(words, dtype=torch.int32, device="cuda"))[0].replay
     call, _ = bu.capture(lambda: fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, scalars, seed=1,
-                                                        config=config, report="defer"))
+                                                        config=config, rounding=layer.rounding, report="defer"))
     found["call replay"] = call.replay
     steps = itertools.count(2)
     found["scalars set"] = lambda: scalars.set(next(steps))

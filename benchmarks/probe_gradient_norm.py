@@ -53,7 +53,7 @@ def step_keeping_sums(layer, config):
     sums of squares, then the norm from them."""
     r = bu.rule()
     state = layer.fresh_state(r)
-    epilogue = _Epilogue(layer.w, state, r, 1, config, None, 0, 1.0, None)
+    epilogue = _Epilogue(layer.w, state, r, 1, config, layer.rounding, 0, 1.0, None)
     sums = fk.empty_square_sums(tuple(layer.w.shape), config, "cuda")
 
     def step():

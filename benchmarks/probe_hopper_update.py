@@ -202,6 +202,9 @@ def main():
                                               "128,64,64,3,8;64,128,64,3,8")
     args = parser.parse_args()
     import bench_update as bu
+    nearest = [regime for regime in args.regimes.split(",") if bu.REGIMES[regime][2] != "stochastic"]
+    if nearest:
+        parser.error(f"--regimes: this prototype and its comparison round stochastically, not as {nearest} do")
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     bandwidth, matrix_rate = bu.measure_ceilings()
     tuned = bu.json.loads(bu.CONFIGS_FILE.read_text())

@@ -41,7 +41,8 @@ fk = forge_kernels()
 from forge_kernels.ops.fused_weight_update import _fused_weight_update_kernel as KERNEL  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-STORAGE = {"fp32": ("fp32", "fp32", False), "bf16-sr": ("bf16", "bf16", True), "q8": ("bf16", "u8", True)}
+STORAGE = {"fp32": ("fp32", "fp32", False), "bf16-sr": ("bf16", "bf16", True), "bf16-rn": ("bf16", "bf16", False),
+           "q8": ("bf16", "u8", True)}
 INTEGER_ARGS = ("T", "N", "K", "KB", "stride_xt", "stride_dyt")
 
 

@@ -23,6 +23,7 @@ needs_tma = pytest.mark.skipif(not hopper_support.tma_available(),
 REGIMES = {  # name: (weight dtype, state format, rounding)
     "fp32": (torch.float32, "fp32", "nearest"),
     "bf16-sr": (torch.bfloat16, "bf16", "stochastic"),
+    "bf16-rn": (torch.bfloat16, "bf16", "nearest"),
     "q8": (torch.bfloat16, "q8", "stochastic"),
 }
 # Ragged on every axis: 45 tokens in blocks of 16, 80 rows in tiles of 32, 160 columns in

@@ -27,7 +27,7 @@ STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "q8": 2.0625}
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0}
 #: (weight, state) formats of the regime names ``benchmarks/bench_update.py`` records
 _BENCHMARK_REGIMES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "bf16-sr": ("bf16", "bf16"),
-                      "q8": ("bf16", "q8")}
+                      "bf16-rn": ("bf16", "bf16"), "q8": ("bf16", "q8")}
 ACTIVATION_BYTES = 2.0  # bf16 activations, as the benchmarks use
 
 
