@@ -10,7 +10,11 @@ a machine without a GPU; times come only from the GPU.
     python3 benchmarks/sass_count.py --regimes fp32,bf16-sr --configs "64,32,128,4,2,None,1,hopper"
 
 A config ending in ``hopper`` compiles the Hopper kernel (Gluon, ``ops/hopper_update.py``;
-fp32 and bf16 state only) instead of the portable one.
+fp32 and bf16 state only) instead of the portable one. ``--streaming`` compiles
+``probe_streaming_epilogue.py``'s kernel instead (the same epilogue on a gradient made in
+its own layout: no matrix work, no accumulator to convert) at each config's tile, warps,
+register cap and epilogue split, beside which the fused kernel's counts show what the
+fusion adds per element.
 
 Counts depend on the Triton version (the H200 image has 3.6; the CPU set-up 3.9).
 """
@@ -83,6 +87,38 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool
                if signature[name].startswith("*") or name in INTEGER_ARGS]
     source = ASTSource(KERNEL, signature, constexprs=constants, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), maxnreg
+
+
+def compile_streaming_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False):
+    """``probe_streaming_epilogue``'s kernel at ``config``'s block_n, block_k, warps, register
+    cap and epilogue split (column parts), specialized as ``compile_sm90`` specializes."""
+    if regime == "q8" or square_sums:
+        raise SystemExit("--streaming: fp32 and bf16 state only, without --square-sums")
+    import probe_streaming_epilogue as streaming  # imports bench_update: only when asked for
+    kernel = streaming._synthetic_gradient_epilogue_kernel
+    weight, state, _ = STORAGE[regime]
+    block_n, block_k, warps = config[0], config[1], config[3]
+    maxnreg = config[5] if len(config) > 5 else None
+    split = config[6] if len(config) > 6 else 1
+    rule = fk.AdamW()
+    signature = dict(w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}", s2_ptr=f"*{weight}",
+                     e0_ptr=f"*{weight}", e1_ptr=f"*{weight}", e2_ptr=f"*{weight}", flag_ptr="*i32", status_ptr="*i32",
+                     N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32", grad_scale="fp32",
+                     **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr=f"*{weight}",
+                     seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}")
+    constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
+                     W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=False, STOCHASTIC=stochastic,
+                     NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False, DEVICE_GRAD_SCALE=False,
+                     BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ROWS=False)
+    signature = {name: "constexpr" if name in constants else signature[name] for name in kernel.arg_names}
+    aligned = [i for i, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*") or name in ("N", "K", "KB")]
+    source = ASTSource(kernel, signature, constexprs=constants,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    options = dict(num_warps=warps, num_stages=1, enable_fp_fusion=False)
     if maxnreg:
         options["maxnreg"] = maxnreg
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), maxnreg
@@ -189,6 +225,8 @@ def main():
     parser.add_argument("--nearest", action="store_true", help="round-to-nearest instead of stochastic rounding")
     parser.add_argument("--listing-sha", action="store_true",
                         help="also print a sha256 of the SASS instructions (the same code before and after a change)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="compile the streaming epilogue kernel (probe_streaming_epilogue.py) at each config instead")
     parser.add_argument("--square-sums", action="store_true",
                         help="the kernel keeping its tiles' sums of squares (previous-norm clipping's norm)")
     args = parser.parse_args()
@@ -198,8 +236,8 @@ def main():
         configs = ([parse_config(c) for c in args.configs.split(";")] if args.configs
                    else [portable_entry(tuned[regime])])
         for config in configs:
-            hopper = config[7:8] == ("hopper",)
-            compile_for = compile_hopper_sm90 if hopper else compile_sm90
+            hopper = config[7:8] == ("hopper",) and not args.streaming
+            compile_for = compile_streaming_sm90 if args.streaming else compile_hopper_sm90 if hopper else compile_sm90
             options = dict(square_sums=True) if args.square_sums else {}
             compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest,
                                             **options)
@@ -212,7 +250,8 @@ def main():
             # The ping-pong Hopper kernel holds its consumer's code twice (two warpgroups, a tile each).
             per_element = total * config[3] * 32 / (config[0] * config[1]) / (2 if hopper and config[3] == 4 else 1)
             top = " ".join(f"{op}:{n}" for op, n in mix.most_common(10))
-            print(f"{regime:7s} {str(config):30s} registers {registers} spill bytes {spills} instructions {total} "
+            kind = "streaming " if args.streaming else ""
+            print(f"{regime:7s} {str(config):30s} {kind}registers {registers} spill bytes {spills} instructions {total} "
                   f"({per_element:.0f} per element per thread-lane) layout conversions {conversions} "
                   f"barriers {mix['BAR']} wgmma {mix['HGMMA']} shared {compiled.metadata.shared} | {top}", flush=True)
             if args.listing_sha:

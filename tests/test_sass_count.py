@@ -52,3 +52,25 @@ def test_epilogue_stages_reach_the_split_kernel():
               if row.startswith("fp32")]
     assert len(shared) == 2, done.stdout
     assert 16 < shared[1] - shared[0] - 16 * 128 * 4 * 3 <= 64, shared
+
+
+def test_streaming_epilogue_compiles_beside_the_fused_kernel():
+    """``--streaming`` compiles ``probe_streaming_epilogue.py``'s kernel, the yardstick the
+    fused epilogue is timed against: it must keep building as ``_tile_epilogue`` changes
+    (its call would break first), with its gradient made in the epilogue's own layout, so
+    no layout conversion and no matrix instruction, in both roundings of bf16 state."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_count.py"), "--streaming",
+                           "--regimes", "bf16-sr,bf16-rn", "--configs", "64,128,64,8,3,128,2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [row for row in done.stdout.splitlines() if row.startswith(("bf16-sr", "bf16-rn"))]
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        fields = line.split()
+        assert "streaming" in fields, line
+        assert int(fields[fields.index("conversions") + 1]) == 0, line
+        assert int(fields[fields.index("wgmma") + 1]) == 0, line
+        assert int(fields[fields.index("instructions") + 1]) > 500, line
+    # Stochastic rounding draws Philox words: more instructions than rounding to nearest.
+    counts = [int(line.split()[line.split().index("instructions") + 1]) for line in lines]
+    assert counts[0] > counts[1], lines
