@@ -36,12 +36,16 @@ import probe_streaming_epilogue as pse  # noqa: E402
 bu = pse.bu
 
 
+def streaming_step(w, regime, entry):
+    """A launch of the streaming epilogue stepping bf16 weight ``w`` in place, with its own
+    bf16 state, at the swept tile ``entry``."""
+    layer = SimpleNamespace(w=w, rounding=bu.REGIMES[regime][2])
+    return pse.synthetic_step(layer, bu.rule().init_state(w, state_format="bf16"), entry)[0]
+
+
 def fastest_entry(w, regime):
     """The swept streaming tile that steps a weight of ``w``'s shape fastest, and its time."""
-    layer = SimpleNamespace(w=w.clone(), rounding=bu.REGIMES[regime][2])
-    state = bu.rule().init_state(layer.w, state_format="bf16")
-    timed = [(bu.timed(pse.synthetic_step(layer, state, entry)[0])[0], entry) for entry in pse.SWEEP]
-    return min(timed)
+    return min((bu.timed(streaming_step(w, regime, entry))[0], entry) for entry in pse.SWEEP)
 
 
 def bound_step(layers, tokens, regime, entries, overlapped=False):
@@ -53,9 +57,7 @@ def bound_step(layers, tokens, regime, entries, overlapped=False):
     epilogues = []
     for m in linears:
         m.weight.requires_grad_(False)
-        layer = SimpleNamespace(w=m.weight.data, rounding=bu.REGIMES[regime][2])
-        state = bu.rule().init_state(layer.w, state_format="bf16")
-        epilogue = pse.synthetic_step(layer, state, entries[tuple(m.weight.shape)])[0]
+        epilogue = streaming_step(m.weight.data, regime, entries[tuple(m.weight.shape)])
         epilogues.append(epilogue)
         if overlapped:
             def on_side_stream(module, grad_input, grad_output, epilogue=epilogue):

@@ -50,46 +50,54 @@ STORAGE = {"fp32": ("fp32", "fp32", False), "bf16-sr": ("bf16", "bf16", True), "
 INTEGER_ARGS = ("T", "N", "K", "KB", "stride_xt", "stride_dyt")
 
 
+def _epilogue_arguments(regime: str, stochastic: bool) -> tuple:
+    """(types, compile-time values) of the epilogue's arguments, which the fused kernel and
+    the streaming probe's kernel both take: AdamW, two state slots, as a launch on the
+    H200 passes them."""
+    weight, state, _ = STORAGE[regime]
+    exponents = "i8" if regime == "q8" else weight
+    rule = fk.AdamW()
+    signature = dict(w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}", s2_ptr=f"*{weight}",
+                     e0_ptr=f"*{exponents}", e1_ptr=f"*{exponents}", e2_ptr=f"*{weight}", flag_ptr="*i32",
+                     status_ptr="*i32", N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32",
+                     grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64",
+                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}")
+    constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
+                     W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8", STOCHASTIC=stochastic,
+                     NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False, DEVICE_GRAD_SCALE=False)
+    return signature, constants
+
+
+def _compile(kernel, signature: dict, constants: dict, integers: tuple, warps: int, stages: int, maxnreg):
+    """``kernel`` for sm_90, specialized as a launch on the H200 would specialize it: 16-byte
+    aligned pointers and ``integers`` multiples of 16."""
+    signature = {name: "constexpr" if name in constants else signature[name] for name in kernel.arg_names}
+    aligned = [i for i, name in enumerate(kernel.arg_names) if signature[name].startswith("*") or name in integers]
+    source = ASTSource(kernel, signature, constexprs=constants, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), maxnreg
+
+
 def compile_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False):
     """The kernel for AdamW on a 4096-wide weight in ``regime``, specialized as a launch
     on the H200 would specialize it (16-byte aligned pointers, unit inner strides); with
     ``square_sums``, keeping each tile's sum of squares (``fused_weight_update(..., square_sums=)``)."""
-    weight, state, _ = STORAGE[regime]
-    exponents = "i8" if regime == "q8" else weight
     block_n, block_k, block_t, warps, stages = config[:5]
     maxnreg = config[5] if len(config) > 5 else None
     split = config[6] if len(config) > 6 else 1
     rows = len(config) > 8 and config[8] == "rows"
     tma = len(config) > 10 and config[10] == "tma"
-    rule = fk.AdamW()
-    signature = dict(x_ptr="*bf16", dy_ptr="*bf16", w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}",
-                     s2_ptr=f"*{weight}", e0_ptr=f"*{exponents}", e1_ptr=f"*{exponents}", e2_ptr=f"*{weight}",
-                     flag_ptr="*i32", status_ptr="*i32",
-                     T="i32", N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32",
-                     stride_xt="i32", stride_xk="constexpr", stride_dyt="i32", stride_dyn="constexpr",
-                     grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64",
-                     scalars_ptr=f"*{weight}", seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}", sums_ptr="*fp32")
-    constants = dict(stride_xk=1, stride_dyn=1, RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True,
-                     HAS_S2=False, W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=regime == "q8",
-                     STOCHASTIC=stochastic, NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False,
-                     DEVICE_GRAD_SCALE=False, SQUARE_SUMS=square_sums,
-                     BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False,
-                     TMA=tma)
+    signature, constants = _epilogue_arguments(regime, stochastic)
+    signature.update(x_ptr="*bf16", dy_ptr="*bf16", T="i32", stride_xt="i32", stride_dyt="i32", sums_ptr="*fp32")
+    constants.update(stride_xk=1, stride_dyn=1, SQUARE_SUMS=square_sums, BLOCK_N=block_n, BLOCK_K=block_k,
+                     BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False, TMA=tma)
     if tma:  # operand_loads="tma": the blocks through host tensor descriptors
         signature.update(x_desc=f"tensordesc<bf16[{block_t}, {block_k}]>", dy_desc=f"tensordesc<bf16[{block_t}, {block_n}]>")
     else:
         constants.update(x_desc=None, dy_desc=None)
-    for name in KERNEL.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-    signature = {name: signature[name] for name in KERNEL.arg_names}
-    aligned = [i for i, name in enumerate(KERNEL.arg_names)
-               if signature[name].startswith("*") or name in INTEGER_ARGS]
-    source = ASTSource(KERNEL, signature, constexprs=constants, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), maxnreg
+    return _compile(KERNEL, signature, constants, INTEGER_ARGS, warps, stages, maxnreg)
 
 
 def compile_streaming_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False):
@@ -98,30 +106,12 @@ def compile_streaming_sm90(regime: str, config: tuple, stochastic: bool, square_
     if regime == "q8" or square_sums:
         raise SystemExit("--streaming: fp32 and bf16 state only, without --square-sums")
     import probe_streaming_epilogue as streaming  # imports bench_update: only when asked for
-    kernel = streaming._synthetic_gradient_epilogue_kernel
-    weight, state, _ = STORAGE[regime]
-    block_n, block_k, warps = config[0], config[1], config[3]
     maxnreg = config[5] if len(config) > 5 else None
     split = config[6] if len(config) > 6 else 1
-    rule = fk.AdamW()
-    signature = dict(w_ptr=f"*{weight}", s0_ptr=f"*{state}", s1_ptr=f"*{state}", s2_ptr=f"*{weight}",
-                     e0_ptr=f"*{weight}", e1_ptr=f"*{weight}", e2_ptr=f"*{weight}", flag_ptr="*i32", status_ptr="*i32",
-                     N="i32", K="i32", KB="i32", row0="i32", col0="i32", global_k="i32", grad_scale="fp32",
-                     **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr=f"*{weight}",
-                     seed_ptr=f"*{weight}", grad_scale_ptr=f"*{weight}")
-    constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
-                     W_BF16=weight == "bf16", S_BF16=state == "bf16", S_Q8=False, STOCHASTIC=stochastic,
-                     NONNEGATIVE=2, ALIGNED_PAIRS=True, DEVICE_SCALARS=False, DEVICE_GRAD_SCALE=False,
-                     BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ROWS=False)
-    signature = {name: "constexpr" if name in constants else signature[name] for name in kernel.arg_names}
-    aligned = [i for i, name in enumerate(kernel.arg_names)
-               if signature[name].startswith("*") or name in ("N", "K", "KB")]
-    source = ASTSource(kernel, signature, constexprs=constants,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    options = dict(num_warps=warps, num_stages=1, enable_fp_fusion=False)
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), maxnreg
+    signature, constants = _epilogue_arguments(regime, stochastic)
+    constants.update(BLOCK_N=config[0], BLOCK_K=config[1], SPLIT=split, ROWS=False)
+    return _compile(streaming._synthetic_gradient_epilogue_kernel, signature, constants, ("N", "K", "KB"),
+                    config[3], 1, maxnreg)
 
 
 def ptxas_usage(ptx: str, maxnreg) -> tuple:
