@@ -21,7 +21,8 @@ from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
 from .gradient_norm import _square_sum, check_square_sums, launch_square_sums
 from .hopper_support import check_hopper_launch, check_tma_operands
-from .stochastic_round import check_seed, paired_words, rn_bf16, sr_bf16_with, stream_seed
+from .stochastic_round import (check_seed, paired_words, rn_bf16_cast, rn_bf16_is_finite, sr_bf16_with,
+                               stream_seed)
 from .step_scalars import StepScalars
 from .update_report import UpdateReport
 from ..weight_slice import WeightSlice
@@ -35,14 +36,31 @@ _BAD_TILES = tl.constexpr(BAD_TILES)
 @triton.jit
 def _to_storage(v, word, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """The value to store for fp32 ``v``: itself, or bf16 by stochastic (with the random
-    ``word``) or nearest rounding."""
+    ``word``) or nearest rounding. Nearest rounding may give a NaN another payload than
+    ``rn_bf16`` (``rn_bf16_cast``): no tile holding a NaN is stored."""
     out = v
     if TO_BF16:
         if STOCHASTIC:
             out = sr_bf16_with(v, word)
         else:
-            out = rn_bf16(v)
+            out = rn_bf16_cast(v)
     return out
+
+
+@triton.jit
+def _storable(v, stored, Q8: tl.constexpr, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Whether ``stored``, the value ``_to_storage`` made of fp32 ``v`` (or ``v`` itself for
+    a q8 slot), may be stored: finite and, for q8, below the largest block exponent's range
+    (126: a larger value would be clamped, not stored). Rounded to nearest to bf16, read
+    from ``v`` in one comparison (``rn_bf16_is_finite``), not from ``stored`` widened back."""
+    if TO_BF16 and not STOCHASTIC:
+        ok = rn_bf16_is_finite(v)
+    else:
+        wide = stored.to(tl.float32)
+        ok = is_finite(wide)
+        if Q8:
+            ok = ok & (tl.abs(wide) < Q8_LARGEST_EXPONENT_VALUE)
+    return ok
 
 
 @triton.jit
@@ -55,15 +73,6 @@ def _load_slot(s_ptr, e_ptr, idx, eidx, mask, zeros,
         else:
             value = tl.load(s_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     return value
-
-
-@triton.jit
-def _slot_is_storable(v, Q8: tl.constexpr):
-    ok = is_finite(v)
-    if Q8:
-        # The largest q8 block exponent is 126: a larger value would be clamped, not stored.
-        ok = ok & (tl.abs(v) < Q8_LARGEST_EXPONENT_VALUE)
-    return ok
 
 
 @triton.jit
@@ -145,25 +154,28 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
         r0, r1, r2, r3 = tl.randint4x(seed, counter)
     elif STOCHASTIC and (W_BF16 or S_BF16):
         r0, r1, r2, r3 = paired_words(seed, offs_n + row0, col0 + k0, global_k, BLOCK_N, BLOCK_K, ALIGNED_PAIRS)
-    w = _to_storage(w, r0, W_BF16, STOCHASTIC)
-    finite = is_finite(g) & is_finite(w.to(tl.float32))
+    w_new = _to_storage(w, r0, W_BF16, STOCHASTIC)
+    finite = is_finite(g) & _storable(w, w_new, False, W_BF16, STOCHASTIC)
+    s0_new = s0
+    s1_new = s1
+    s2_new = s2
     if not S_Q8:
-        s0 = _to_storage(s0, r1, S_BF16, STOCHASTIC)
-        s1 = _to_storage(s1, r2, S_BF16, STOCHASTIC)
-        s2 = _to_storage(s2, r3, S_BF16, STOCHASTIC)
-    finite = finite & _slot_is_storable(s0.to(tl.float32), S_Q8)
-    finite = finite & _slot_is_storable(s1.to(tl.float32), S_Q8)
-    finite = finite & _slot_is_storable(s2.to(tl.float32), S_Q8)
+        s0_new = _to_storage(s0, r1, S_BF16, STOCHASTIC)
+        s1_new = _to_storage(s1, r2, S_BF16, STOCHASTIC)
+        s2_new = _to_storage(s2, r3, S_BF16, STOCHASTIC)
+    finite = finite & _storable(s0, s0_new, S_Q8, S_BF16, STOCHASTIC)
+    finite = finite & _storable(s1, s1_new, S_Q8, S_BF16, STOCHASTIC)
+    finite = finite & _storable(s2, s2_new, S_Q8, S_BF16, STOCHASTIC)
     num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
     tile_ok = ((num_bad == 0) & inputs_ok).to(tl.int32)
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.
     keep = mask & ((idx * 0 + tile_ok) != 0)
-    tl.store(w_ptr + idx, w, mask=keep)
-    _store_slot(s0_ptr, e0_ptr, s0, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r1,
+    tl.store(w_ptr + idx, w_new, mask=keep)
+    _store_slot(s0_ptr, e0_ptr, s0_new, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r1,
                 HAS_S0, S_Q8, (NONNEGATIVE & 1) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    _store_slot(s1_ptr, e1_ptr, s1, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r2,
+    _store_slot(s1_ptr, e1_ptr, s1_new, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r2,
                 HAS_S1, S_Q8, (NONNEGATIVE & 2) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    _store_slot(s2_ptr, e2_ptr, s2, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r3,
+    _store_slot(s2_ptr, e2_ptr, s2_new, idx, offs_n, mask_n, k0, KB, keep, mask, tile_ok, r3,
                 HAS_S2, S_Q8, (NONNEGATIVE & 4) == 0, STOCHASTIC, BLOCK_N, BLOCK_K)
     tl.atomic_add(status_ptr + _BAD_TILES, 1, mask=(num_bad > 0) & inputs_ok)
     tl.store(flag_ptr + tile_id, num_bad)

@@ -20,11 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import kernel_device, on_device
+from .._backend import interpreting, kernel_device, on_device
 
 # Counters are 32-bit: Philox is called with one 32-bit counter word, which Triton
 # versions treat alike (wider offsets are split differently across versions).
 MAX_COUNTER = 2**32
+# Constexpr globals: the only kind a compiled kernel may read. Whether kernels run in the
+# interpreter is fixed when this module is imported, as Triton fixes it when a function
+# is decorated (forge_kernels._backend).
+_INTERPRETED = tl.constexpr(interpreting())
+# The least fp32 magnitude whose nearest bf16 is infinite: 0x7F7F8000, halfway between the
+# largest bf16 (0x7F7F0000) and 2**128, a tie that goes to the even neighbour 0x7F80 (inf).
+BF16_RN_OVERFLOW = tl.constexpr(float.fromhex("0x1.ffp+127"))
 
 
 @triton.jit
@@ -41,8 +48,13 @@ def sr_bf16_with(x, word):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + noise) & 0xFFFF0000
     quiet_nan = (bits & 0x80000000) | 0x7FC00000
-    rounded = tl.where(x != x, quiet_nan, rounded)
-    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return _high_half_bf16(tl.where(x != x, quiet_nan, rounded))
+
+
+@triton.jit
+def _high_half_bf16(bits):
+    """The bf16 in the high half of each uint32 of ``bits``."""
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -84,13 +96,38 @@ def rn_bf16(x):
     """fp32 tile -> bf16 tile, rounded to nearest, ties to even, by integer arithmetic.
 
     Not ``x.to(tl.bfloat16)``: the Triton interpreter (3.9) truncates in that cast
-    (1 + 2**-8 + 2**-12 becomes 1.0), so the bit trick is used on every backend.
+    (1 + 2**-8 + 2**-12 becomes 1.0). The same bits on every backend, NaN payloads
+    included; ``rn_bf16_cast`` is the faster form where a NaN is never stored.
     """
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     quiet_nan = (bits & 0x80000000) | 0x7FC00000
-    rounded = tl.where(x != x, quiet_nan, rounded)
-    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return _high_half_bf16(tl.where(x != x, quiet_nan, rounded))
+
+
+@triton.jit
+def rn_bf16_cast(x):
+    """fp32 tile -> bf16 tile rounded to nearest, ties to even, for a caller that stores no
+    tile holding a NaN result.
+
+    Compiled, the hardware's conversion (``cvt.rn.bf16x2.f32``: one instruction per two
+    elements, where ``rn_bf16``'s integer arithmetic takes about six per element); in the
+    interpreter, whose cast truncates, ``rn_bf16``. The two give the same bits for every
+    fp32 input but NaN, whose result is a NaN either way with a payload that may differ
+    (all 2**32 inputs compared on an H200: tests/test_bf16_conversion.py)."""
+    if _INTERPRETED:
+        rounded = rn_bf16(x)
+    else:
+        rounded = x.to(tl.bfloat16)
+    return rounded
+
+
+@triton.jit
+def rn_bf16_is_finite(x):
+    """Whether fp32 ``x`` rounds to nearest to a finite bf16: |x| < ``BF16_RN_OVERFLOW``
+    (NaN compares false). One comparison on the fp32 value, where widening the bf16 back
+    to test it takes three instructions (proofs/bf16_rounding.md)."""
+    return tl.abs(x) < BF16_RN_OVERFLOW
 
 
 @triton.jit(do_not_specialize=["seed", "offset"])
