@@ -16,7 +16,8 @@ from forge_kernels.ops.stochastic_round import BF16_RN_OVERFLOW, rn_bf16, rn_bf1
 
 # Counters of _compare_kernel: results whose bits differ (non-NaN input), NaN inputs whose
 # cast result is not a NaN, and inputs whose finiteness verdict is wrong.
-BITS, NAN, VERDICT = range(3)
+# Constexpr globals: the only kind a compiled kernel may read.
+BITS, NAN, VERDICT = (tl.constexpr(i) for i in range(3))
 
 
 @triton.jit
