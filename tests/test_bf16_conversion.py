@@ -58,6 +58,7 @@ def _deciding_inputs() -> np.ndarray:
     return np.concatenate([positive, positive | np.uint32(0x80000000)]).view(np.float32)
 
 
+@pytest.mark.exactness
 def test_threshold_is_the_midpoint_above_the_largest_bf16():
     assert np.float32(BF16_RN_OVERFLOW.value).view(np.uint32) == 0x7F7F8000
     largest = torch.tensor(np.array([0x7F7F7FFF], dtype=np.uint32).view(np.float32))
@@ -65,6 +66,7 @@ def test_threshold_is_the_midpoint_above_the_largest_bf16():
     assert torch.isinf(torch.tensor([BF16_RN_OVERFLOW.value], dtype=torch.float32).to(torch.bfloat16)).all()
 
 
+@pytest.mark.exactness
 def test_deciding_inputs_round_as_torch_rounds():
     """Both forms against torch's nearest rounding (NaN inputs: a NaN out), and the verdict
     against torch's result, on the inputs that decide the claims; compiled on a GPU, the

@@ -114,7 +114,7 @@ def rn_bf16_cast(x):
     elements, where ``rn_bf16``'s integer arithmetic takes about six per element); in the
     interpreter, whose cast truncates, ``rn_bf16``. The two give the same bits for every
     fp32 input but NaN, whose result is a NaN either way with a payload that may differ
-    (all 2**32 inputs compared on an H200: tests/test_bf16_conversion.py)."""
+    (tests/test_bf16_conversion.py compares all 2**32 inputs compiled)."""
     if _INTERPRETED:
         rounded = rn_bf16(x)
     else:
