@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import forge_kernels as fk
-from forge_kernels.ops.stochastic_round import rn_bf16
+from forge_kernels.ops.stochastic_round import rn_bf16, rn_bf16_cast
 from forge_verify.numerics.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
 from forge_verify.numerics.philox import stochastic_round_reference
 from forge_verify.numerics.stats import binomial_consistent, stagnation_radius
@@ -136,19 +136,26 @@ def test_bad_arguments_are_refused(bad, error, device):
 
 
 @triton.jit
-def _round_nearest_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _round_nearest_kernel(x_ptr, out_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, rn_bf16(tl.load(x_ptr + i, mask=i < n, other=0.0)), mask=i < n)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    if CAST:
+        rounded = rn_bf16_cast(x)
+    else:
+        rounded = rn_bf16(x)
+    tl.store(out_ptr + i, rounded, mask=i < n)
 
 
 @pytest.mark.exactness
+@pytest.mark.parametrize("cast", [False, True], ids=["rn_bf16", "rn_bf16_cast"])
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300))
-def test_nearest_rounding_matches_torch(bits, device):
-    """The bf16 round-to-nearest-even used for "nearest" stores equals torch's cast, bit
-    for bit (NaNs: a quiet NaN of the same sign)."""
+def test_nearest_rounding_matches_torch(cast, bits, device):
+    """Both bf16 round-to-nearest-even forms equal torch's cast on the CPU, bit for bit
+    (NaNs: a NaN): ``rn_bf16`` everywhere, and ``rn_bf16_cast``, which "nearest" stores use,
+    the hardware's conversion compiled (``rn_bf16`` itself in the interpreter)."""
     x = fp32_from_bits(bits)
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
-    _round_nearest_kernel[(triton.cdiv(x.numel(), 256),)](x.to(device), out, x.numel(), BLOCK=256)
+    _round_nearest_kernel[(triton.cdiv(x.numel(), 256),)](x.to(device), out, x.numel(), CAST=cast, BLOCK=256)
     expected = x.bfloat16()
     nan = torch.isnan(x)
     assert_bitwise_equal(out.cpu()[~nan], expected[~nan], "round to nearest")

@@ -68,9 +68,10 @@ def test_threshold_is_the_midpoint_above_the_largest_bf16():
 
 @pytest.mark.exactness
 def test_deciding_inputs_round_as_torch_rounds():
-    """Both forms against torch's nearest rounding (NaN inputs: a NaN out), and the verdict
-    against torch's result, on the inputs that decide the claims; compiled on a GPU, the
-    hardware's conversion is the one checked here."""
+    """The cast against ``rn_bf16`` (bits, NaN kept a NaN, and the verdict against
+    ``rn_bf16``'s result) and ``rn_bf16`` against torch's CPU rounding, on the inputs that
+    decide the claims; compiled on a GPU the cast is the hardware's, in the interpreter it
+    is ``rn_bf16`` itself."""
     x = torch.from_numpy(_deciding_inputs()).to(fk.kernel_device())
     counts = torch.zeros(3, dtype=torch.int32, device=x.device)
     _compare_kernel[(triton.cdiv(x.numel(), 1024),)](x, counts, 0, x.numel(), FROM_PATTERNS=False, BLOCK=1024)
@@ -99,8 +100,10 @@ def _rn_bf16_on(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(fk.interpreting(), reason="the hardware conversion exists only compiled; the interpreter runs "
                                                "rn_bf16 itself (and 2**32 inputs would take it hours)")
 def test_every_fp32_pattern_rounds_alike_compiled():
-    counts = torch.zeros(3, dtype=torch.int32, device="cuda")
     chunk, block = 2**30, 1024
     for first in range(0, 2**32, chunk):
+        # Checked per chunk: an int32 counter over all 2**32 inputs could wrap to 0.
+        counts = torch.zeros(3, dtype=torch.int32, device="cuda")
         _compare_kernel[(chunk // block,)](counts, counts, first, chunk, FROM_PATTERNS=True, BLOCK=block)
-    assert counts.tolist() == [0, 0, 0], f"of 2**32 inputs: bits differ, NaN lost, verdict wrong: {counts.tolist()}"
+        assert counts.tolist() == [0, 0, 0], (f"of inputs {first:#x} + 2**30: bits differ, NaN lost, verdict wrong: "
+                                              f"{counts.tolist()}")

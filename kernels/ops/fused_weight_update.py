@@ -53,6 +53,7 @@ def _storable(v, stored, Q8: tl.constexpr, TO_BF16: tl.constexpr, STOCHASTIC: tl
     a q8 slot), may be stored: finite and, for q8, below the largest block exponent's range
     (126: a larger value would be clamped, not stored). Rounded to nearest to bf16, read
     from ``v`` in one comparison (``rn_bf16_is_finite``), not from ``stored`` widened back."""
+    tl.static_assert(not (Q8 and TO_BF16), "a q8 slot is coded from fp32, not rounded to bf16")
     if TO_BF16 and not STOCHASTIC:
         ok = rn_bf16_is_finite(v)
     else:

@@ -22,7 +22,7 @@ TMA copies read and the stores write in runs of the tile's full width.
 Same function, same bits: the token loop is the same wgmma instructions over the same
 ``block_t``-token blocks in the same order as the portable kernel's ``tl.dot`` (bf16
 operands, fp32 accumulator); the epilogue calls the same rule, rounding and verdict code
-(``RULE``, ``_to_storage``, ``is_finite``) with the same Philox words (``_words`` is the
+(``RULE``, ``_to_storage``, ``_storable``, ``is_finite``) with the same Philox words (``_words`` is the
 portable ``paired_words``). Measured on an H200, fused == portable for every rule, regime
 and shape in ``tests/test_hopper_update.py``, in both structures. Written against triton
 3.6's Gluon (the GPU runs so far), it also compiles with 3.9's, which renamed two of the

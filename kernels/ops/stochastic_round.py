@@ -114,7 +114,9 @@ def rn_bf16_cast(x):
     elements, where ``rn_bf16``'s integer arithmetic takes about six per element); in the
     interpreter, whose cast truncates, ``rn_bf16``. The two give the same bits for every
     fp32 input but NaN, whose result is a NaN either way with a payload that may differ
-    (tests/test_bf16_conversion.py compares all 2**32 inputs compiled)."""
+    (tests/test_bf16_conversion.py compares all 2**32 inputs compiled: proofs/bf16_rounding.md
+    says whether that has run)."""
+    tl.static_assert(x.dtype == tl.float32, "rn_bf16_cast rounds fp32")
     if _INTERPRETED:
         rounded = rn_bf16(x)
     else:
@@ -127,6 +129,7 @@ def rn_bf16_is_finite(x):
     """Whether fp32 ``x`` rounds to nearest to a finite bf16: |x| < ``BF16_RN_OVERFLOW``
     (NaN compares false). One comparison on the fp32 value, where widening the bf16 back
     to test it takes three instructions (proofs/bf16_rounding.md)."""
+    tl.static_assert(x.dtype == tl.float32, "the threshold is an fp32 one")
     return tl.abs(x) < BF16_RN_OVERFLOW
 
 
