@@ -9,7 +9,8 @@ variant; the norms' weights are stepped by a torch AdamW in both variants.
 
 Variants: ``bf16`` (bf16 weights; FORGE keeps bf16 state with stochastic rounding, torch
 keeps bf16 state), ``bf16-rn`` (the same, FORGE rounding its bf16 stores to nearest as
-torch does: the like-for-like comparison; its torch rows are ``bf16``'s) and
+torch does: the like-for-like comparison; its torch rows are ``bf16``'s, run under its own
+name when ``bf16`` is not among the variants) and
 ``fp32-master`` (fp32 weights under bf16 autocast; fp32 state).
 Methods: ``torch``; ``forge`` (each fused layer reads its outcome once in its backward,
 ``report="raise"``, the default); ``forge deferred`` (``report="defer"``: no layer
@@ -19,7 +20,8 @@ backward with the fused updates and the norms' torch AdamW, in one CUDA graph th
 ``fk.CapturedStep``, every layer's outcome read once per step); ``torch captured`` (the
 same step in one CUDA graph, ``AdamW(fused=True, capturable=True)``, as torch documents
 whole-network capture). Variant ``q8`` (bf16 weights, 8-bit FORGE state; torch keeps
-bf16 state: its rows are the ``bf16`` variant's torch rows) exists for the memory runs.
+bf16 state: its rows are the ``bf16`` variant's torch rows, run under its own name when
+``bf16`` is not among the variants) exists for the memory runs.
 
 ``--max-norm C`` clips every method's step by global norm at C: torch by
 ``clip_grad_norm_`` before its optimizer (in the graph for ``torch captured``); FORGE by
@@ -252,11 +254,14 @@ def main(argv=None):
     if args.fit_under is not None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.fit_under * 1e9 / total)
+    variants = args.variants.split(",")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for name in args.variants.split(","):
+        for name in variants:
             for method in methods:
-                if name in ("q8", "bf16-rn") and not method.startswith("forge"):
-                    continue  # the bf16 variant's torch rows are the comparison (torch has no q8 state)
+                if name in ("q8", "bf16-rn") and not method.startswith("forge") and "bf16" in variants:
+                    # The bf16 variant's torch rows are the comparison (torch has no q8 state, and
+                    # rounds to nearest); without it they run here, the same torch step.
+                    continue
                 if args.fit_under is not None:
                     batch = largest_batch(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
                                           norm=args.norm)
