@@ -92,7 +92,7 @@ def compile_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool
     signature, constants = _epilogue_arguments(regime, stochastic)
     signature.update(x_ptr="*bf16", dy_ptr="*bf16", T="i32", stride_xt="i32", stride_dyt="i32", sums_ptr="*fp32")
     constants.update(stride_xk=1, stride_dyn=1, SQUARE_SUMS=square_sums, BLOCK_N=block_n, BLOCK_K=block_k,
-                     BLOCK_T=block_t, SPLIT=split, ROWS=rows, INTERPRETED=False, TMA=tma)
+                     BLOCK_T=block_t, SPLIT=split, ROWS=rows, TMA=tma)
     if tma:  # operand_loads="tma": the blocks through host tensor descriptors
         signature.update(x_desc=f"tensordesc<bf16[{block_t}, {block_k}]>", dy_desc=f"tensordesc<bf16[{block_t}, {block_n}]>")
     else:

@@ -16,10 +16,18 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton.language as tl  # noqa: E402  (once TRITON_INTERPRET is settled)
+
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Whether kernels run in the interpreter, for kernels that take another path there: a
+# constexpr global, the only kind a compiled kernel may read, fixed at import as Triton
+# fixes interpretation when each function is decorated.
+INTERPRETED = tl.constexpr(interpreting())
 
 
 def kernel_device() -> torch.device:

@@ -89,7 +89,7 @@ def _constexpr_params(kernel):
                                     wg_module._weight_grad_kernel], ids=lambda k: k.fn.__name__)
 def test_only_shapes_tiles_and_flags_are_compile_time(kernel):
     allowed = {"RULE", "VARIANT", "HAS_S0", "HAS_S1", "HAS_S2", "BLOCK_N", "BLOCK_K", "BLOCK_T", "SPLIT", "ROWS",
-               "INTERPRETED", "W_BF16", "S_BF16", "S_Q8", "STOCHASTIC", "NONNEGATIVE", "ALIGNED_PAIRS",
+               "W_BF16", "S_BF16", "S_Q8", "STOCHASTIC", "NONNEGATIVE", "ALIGNED_PAIRS",
                "DEVICE_SCALARS", "DEVICE_GRAD_SCALE", "SQUARE_SUMS", "TMA"}
     assert _constexpr_params(kernel) <= allowed
     params = inspect.signature(kernel.fn).parameters

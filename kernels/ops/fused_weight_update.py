@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._backend import interpreting, on_device, quiet_non_finite
+from .._backend import on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
 from ..rules.base import NUM_SCALARS, NUM_SLOTS
 from .. import q8
@@ -279,7 +279,7 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
                                 DEVICE_SCALARS: tl.constexpr, DEVICE_GRAD_SCALE: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                                 SPLIT: tl.constexpr, ROWS: tl.constexpr, SQUARE_SUMS: tl.constexpr,
-                                INTERPRETED: tl.constexpr, x_desc=None, dy_desc=None, TMA: tl.constexpr = False):
+                                x_desc=None, dy_desc=None, TMA: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -287,11 +287,11 @@ def _fused_weight_update_kernel(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0
     mask_n = offs_n < N
     mask_k = offs_k < K
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED,
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T,
                           x_desc, dy_desc, pid_n * BLOCK_N, pid_k * BLOCK_K, TMA)
     tile_id = pid_n * tl.num_programs(1) + pid_k
     if SQUARE_SUMS:  # the tile's Σ g² of the unscaled gradient, for previous-norm clipping's norm
-        tl.store(sums_ptr + tile_id, _square_sum(g, BLOCK_N, BLOCK_K, INTERPRETED))
+        tl.store(sums_ptr + tile_id, _square_sum(g, BLOCK_N, BLOCK_K))
     if DEVICE_SCALARS:
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
     if DEVICE_GRAD_SCALE:
@@ -465,7 +465,7 @@ class _Epilogue:
             weight if square_sums is None else square_sums,  # an unused pointer without sums
             **self.rule_args, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             SPLIT=config.epilogue_split, ROWS=config.epilogue_axis == "rows", SQUARE_SUMS=square_sums is not None,
-            INTERPRETED=interpreting(), **tma, **config.launch_options())
+            **tma, **config.launch_options())
 
     def report(self, report: str, input_names: tuple, captured: bool = False):
         """The call's outcome: raised now (``"raise"``, one read of the status) or

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting, on_device, quiet_non_finite
+from .._backend import INTERPRETED, on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
 from .validation import check_activations
 from .weight_gradient import _weight_grad_tile
@@ -38,7 +38,7 @@ _SUM_BLOCK = 1024
 
 
 @triton.jit
-def _square_sum(g, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+def _square_sum(g, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Σ g² over a (BLOCK_N, BLOCK_K) fp32 tile, each square rounded to fp32 (no FMA: the
     launch turns contraction off). Interpreted: along each row left to right, then the
     rows' sums top to bottom, as running sums whose last prefix is picked by a sum of
@@ -59,7 +59,7 @@ def _square_sum(g, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl
 @triton.jit
 def _square_sums_kernel(x_ptr, dy_ptr, grad_ptr, sums_ptr, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                        FROM_GRAD: tl.constexpr, INTERPRETED: tl.constexpr):
+                        FROM_GRAD: tl.constexpr):
     """One tile's Σ dW², dW from the tile loop or (``FROM_GRAD``, the reference) read
     from a materialized fp32 (N, K) gradient; stored at the tile's row-major index."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,9 +71,9 @@ def _square_sums_kernel(x_ptr, dy_ptr, grad_ptr, sums_ptr, T, N, K, stride_xt, s
     else:
         # Rows and columns past the weight load +0 operands: their dW elements are +0.
         g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                              offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED)
+                              offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T)
     tl.store(sums_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-             _square_sum(g, BLOCK_N, BLOCK_K, INTERPRETED))
+             _square_sum(g, BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def launch_square_sums(N, K, config, *, x=None, dy=None, grad=None, out=None) ->
     T = 0 if from_grad else x.shape[0]
     _square_sums_kernel[grid](a, b, a, sums, T, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
-                              FROM_GRAD=from_grad, INTERPRETED=interpreting(), **config.launch_options())
+                              FROM_GRAD=from_grad, **config.launch_options())
     return sums
 
 

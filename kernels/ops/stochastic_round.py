@@ -20,16 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting, kernel_device, on_device
+from .._backend import INTERPRETED, kernel_device, on_device
 
 # Counters are 32-bit: Philox is called with one 32-bit counter word, which Triton
 # versions treat alike (wider offsets are split differently across versions).
 MAX_COUNTER = 2**32
-# Constexpr globals: the only kind a compiled kernel may read. Whether kernels run in the
-# interpreter is fixed when this module is imported, as Triton fixes it when a function
-# is decorated (forge_kernels._backend).
-_INTERPRETED = tl.constexpr(interpreting())
-# The least fp32 magnitude whose nearest bf16 is infinite: 0x7F7F8000, halfway between the
+# A constexpr global (the only kind a compiled kernel may read): the least fp32 magnitude whose nearest bf16 is infinite: 0x7F7F8000, halfway between the
 # largest bf16 (0x7F7F0000) and 2**128, a tie that goes to the even neighbour 0x7F80 (inf).
 BF16_RN_OVERFLOW = tl.constexpr(float.fromhex("0x1.ffp+127"))
 
@@ -117,7 +113,7 @@ def rn_bf16_cast(x):
     (tests/test_bf16_conversion.py compares all 2**32 inputs compiled: proofs/bf16_rounding.md
     says whether that has run)."""
     tl.static_assert(x.dtype == tl.float32, "rn_bf16_cast rounds fp32")
-    if _INTERPRETED:
+    if INTERPRETED:
         rounded = rn_bf16(x)
     else:
         rounded = x.to(tl.bfloat16)

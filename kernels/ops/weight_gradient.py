@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting, on_device, quiet_non_finite
+from .._backend import INTERPRETED, on_device, quiet_non_finite
 from ..config import PINNED, TileConfig
 from .validation import check_activations
 
@@ -14,7 +14,7 @@ from .validation import check_activations
 def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
                       offs_n, offs_k, mask_n, mask_k,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      INTERPRETED: tl.constexpr, x_desc=None, dy_desc=None, n0=0, k0=0,
+                      x_desc=None, dy_desc=None, n0=0, k0=0,
                       TMA: tl.constexpr = False):
     """One (BLOCK_N, BLOCK_K) tile of dYᵀX, reduced over all T tokens in BLOCK_T chunks.
 
@@ -74,15 +74,14 @@ def _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride
 
 @triton.jit
 def _weight_grad_kernel(x_ptr, dy_ptr, grad_ptr, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     """Oracle, first half: the same tile loop, its fp32 result stored as dW."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_k = offs_k < K
     g = _weight_grad_tile(x_ptr, dy_ptr, T, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T, INTERPRETED)
+                          offs_n, offs_k, mask_n, mask_k, BLOCK_N, BLOCK_K, BLOCK_T)
     tl.store(grad_ptr + offs_n[:, None] * K + offs_k[None, :], g, mask=mask_n[:, None] & mask_k[None, :])
 
 
@@ -96,7 +95,6 @@ def launch_weight_gradient(x, dy, config: TileConfig) -> torch.Tensor:
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))
     _weight_grad_kernel[grid](x, dy, grad, T, N, K, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
-                              INTERPRETED=interpreting(),
                               **config.launch_options())
     return grad
 
