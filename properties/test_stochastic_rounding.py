@@ -15,12 +15,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import rn_bf16, rn_bf16_cast
-from forge_verify.numerics.bits import assert_bitwise_equal, bf16_bits, fp32_from_bits
+from forge_verify.numerics.bits import assert_bitwise_equal, bf16_bits, bf16_rounding_edges, fp32_from_bits
 from forge_verify.numerics.philox import stochastic_round_reference
 from forge_verify.numerics.stats import binomial_consistent, stagnation_radius
 
@@ -149,6 +149,7 @@ def _round_nearest_kernel(x_ptr, out_ptr, n, CAST: tl.constexpr, BLOCK: tl.const
 @pytest.mark.exactness
 @pytest.mark.parametrize("cast", [False, True], ids=["rn_bf16", "rn_bf16_cast"])
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300))
+@example(bits=bf16_rounding_edges().tolist())
 def test_nearest_rounding_matches_torch(cast, bits, device):
     """Both bf16 round-to-nearest-even forms equal torch's cast on the CPU, bit for bit
     (NaNs: a NaN): ``rn_bf16`` everywhere, and ``rn_bf16_cast``, which "nearest" stores use,

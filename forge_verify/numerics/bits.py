@@ -45,6 +45,17 @@ def fp32_from_bits(bits) -> torch.Tensor:
     return torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
 
 
+def bf16_rounding_edges() -> np.ndarray:
+    """fp32 bit patterns (uint32, both signs) around every boundary of rounding to bf16:
+    the overflow threshold 0x7F7F8000 and the largest bf16, infinity and NaNs, ties (low
+    half 0x8000) with even and odd bf16 neighbours, the subnormal range and its top, zero;
+    three patterns either side of each."""
+    centres = [0x7F7F8000, 0x7F7F0000, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF,
+               0x3F808000, 0x3F818000, 0x00008000, 0x00018000, 0x007F8000, 0x007FFFFF, 0x00800000, 0x0]
+    positive = np.array(sorted({(c + d) & 0x7FFFFFFF for c in centres for d in range(-3, 4)}), dtype=np.uint32)
+    return np.concatenate([positive, positive | np.uint32(0x80000000)])
+
+
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 tensor's 16-bit patterns, as uint32 (room to compare with fp32 patterns)."""
     return t.cpu().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
