@@ -8,8 +8,8 @@ loads' latency is exposed in the epilogue (loading them before the loop, into
 registers, was slower: results/tuning/h200-early-loads-q8-bits.log). Here the weight
 and state tiles are copied by TMA into shared memory at the start of the tile, the
 token loop runs on TMA-fed wgmma, and the epilogue reads its operands from shared
-memory, applies the same rule code (``RULE``, ``sr_bf16_with``, ``rn_bf16``, the same
-Philox words) and writes the results back by TMA. AdamW, fp32 or bf16 weight and
+memory, applies the same rule code (``RULE``, ``sr_bf16_with``: it rounds stochastically
+only; the same Philox words) and writes the results back by TMA. AdamW, fp32 or bf16 weight and
 state, whole weights (no slices), host scalars.
 
     python3 benchmarks/probe_hopper_update.py [--shapes 4096x4096] [--tokens 256,1024] \
