@@ -1,7 +1,13 @@
 """AdamW (decoupled weight decay, Loshchilov & Hutter) and Adam (AdamW without decay).
 
-Same formula and operation order as ``torch.optim.AdamW``'s single-tensor path;
-square root and division round correctly (``sqrt_rn``/``div_rn``) on every backend.
+The formula of ``torch.optim.AdamW``'s single-tensor path (decay, moments, bias
+corrections, ``sqrt(v) / sqrt(1 - beta2**step) + eps``), not its operation order: torch
+updates the first moment by ``lerp_`` and the second by ``mul_``/``addcmul_``, and on CPU
+its vectorized kernels may contract into FMAs, where this rule rounds each product and
+sum as written (``beta1 * m + (1 - beta1) * g``). So against torch only closeness holds,
+measured by ``forge-verify check`` (README, "Closeness to torch.optim"); the exactness
+claims are against the oracle, which runs this same code. Square root and division round
+correctly (``sqrt_rn``/``div_rn``) on every backend.
 The division by the bias correction ``sqrt(1 - beta2**step)``, one scalar, is
 ``div_by_scalar_rn``: the same bits as ``div_rn`` for these operands (the dividend is a
 square root: 0, non-finite, or at least 2**-74.5, the square root of the smallest
