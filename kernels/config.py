@@ -71,6 +71,12 @@ class TileConfig:
     operand_loads: str = "pointers"
 
     def __post_init__(self):
+        # A float or bool equal to an allowed value passes the membership checks below and
+        # fails later, inside an allocation or the launch.
+        for name in ("block_n", "block_k", "block_t", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise TypeError(f"TileConfig.{name}={value!r}: must be an int, not {type(value).__name__}")
         for name in ("block_n", "block_k", "block_t"):
             value = getattr(self, name)
             if value not in _TILE_SIZES:

@@ -177,6 +177,16 @@ def test_bad_grad_scale_is_refused_before_anything_is_written(good, grad_scale, 
     assert torch.equal(w, before)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("block_n", 64.0), ("block_k", True), ("block_t", 32.0), ("num_warps", True), ("num_warps", 4.0),
+    ("num_stages", 2.5), ("num_stages", 2.0), ("num_stages", True), ("num_stages", "2")])
+def test_config_integers_must_be_ints(field, value):
+    """Equal-comparing floats and bools passed the range checks and failed later, inside
+    torch.zeros (block_n=64.0) or the launch (num_stages=2.5)."""
+    with pytest.raises(TypeError, match=rf"TileConfig.{field}={value!r}: must be an int, not {type(value).__name__}"):
+        fk.TileConfig(**{field: value})
+
+
 def test_maxnreg_is_passed_as_a_launch_option():
     """A register cap goes to the launch (the compiler's option), and only when set;
     that it changes no bit is tests/test_epilogue_split.py's."""
