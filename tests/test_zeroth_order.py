@@ -533,3 +533,46 @@ def test_the_embedding_hook_draws_its_used_rows_in_blocks():
         opt.step(lambda: (model(idx) ** 2).sum((1, 2)))
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert largest <= 16 * 8192 < 12 * 8192 * 2
+
+
+# --- MeZO: nothing left shifted -----------------------------------------------------------
+
+def test_mezo_refuses_a_parameter_it_cannot_shift_by_name_before_anything_is_written():
+    """A transposed (non-contiguous) weight has no flat view, and a shard far into a whole
+    of more than 2**32 elements has counters past the stream: refused at construction,
+    naming the parameter (they used to fail inside a shift, leaving the parameters already
+    shifted at θ + εz)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[1].weight = nn.Parameter(torch.randn(4, 2).t())
+    with pytest.raises(ValueError, match="parameter '1.weight' is not contiguous"):
+        fk.MeZO(model, lr=0.1)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 4))
+    with pytest.raises(ValueError, match="parameter '1.weight' draws z at counters up to 4294967297"):
+        fk.MeZO(model, lr=0.1, shards={"1.weight": ((2**31 + 1, 2), (2**31 - 3, 0))})
+
+
+@pytest.mark.parametrize("failing_shift", [0, 1])
+def test_a_mezo_shift_failing_part_way_shifts_back_exactly_the_parameters_it_moved(failing_shift, monkeypatch):
+    """The draw of the third parameter fails in the first shift (+εz) or the second (-2εz),
+    as a device error would. Zero weights make every shift exact (0 + a, a - a, a - 2a),
+    so the restore must bring each parameter back bit for bit: the ones the failing
+    shift moved and the ones it did not reach."""
+    from forge_kernels.zeroth_order import mezo as mezo_module
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    draws_of_the_third = []
+
+    def failing_normal(key, counter, dtype):
+        if key == stream_key(0, 0, "1.weight", BASE):
+            draws_of_the_third.append(key)
+            if len(draws_of_the_third) == failing_shift + 1:  # this one draw only
+                raise RuntimeError("a draw failed")
+        return standard_normal(key, counter, dtype)
+    monkeypatch.setattr(mezo_module, "standard_normal", failing_normal)
+    with pytest.raises(RuntimeError, match="a draw failed"):
+        fk.MeZO(model, lr=0.1, eps=1e-3).step(lambda: (model(x) ** 2).mean())
+    for n, p in model.named_parameters():
+        assert_bitwise_equal(p.detach(), torch.zeros_like(p), n)

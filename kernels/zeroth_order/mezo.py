@@ -46,7 +46,11 @@ class MeZO:
     ``step(closure)``, ``estimate(closure)`` (the closure returns a scalar loss),
     ``state_dict()``.
 
-    Every trainable floating parameter is perturbed, whatever its module. A non-finite
+    Every trainable floating parameter is perturbed, whatever its module; refused at
+    construction, naming it: a parameter that is not contiguous (shifted through a flat
+    view) or whose counters pass a stream's 2**32 (a shard far into a large whole). If
+    anything fails between the shifts, exactly the parameters already shifted are
+    shifted back (to the restore's rounding, module docstring) before the error propagates. A non-finite
     loss raises ``NonFiniteLossError`` after the restore, with no step and the counter kept.
     An ε that moved no loss (L⁺ = L⁻ bit for bit: in bf16 a small ε is rounded away)
     takes no step and warns (``NoStepWarning``, naming ε and the dtype; the counter advances).
@@ -74,9 +78,23 @@ class MeZO:
         if not self.params:
             raise ValueError("MeZO: the model has no trainable parameters")
         self.shards = check_shards(self.params, shards, self.method)
+        for name, param in self.params:
+            self._check_shiftable(name, param)
         self.group = group
         data_parallel.group_rank(group)
         self.call = 0
+
+    def _check_shiftable(self, name, param):
+        """Refuse, before anything is written, what a shift would fail on part-way: a
+        parameter it cannot view flat (not contiguous) or whose counters leave the stream."""
+        if not param.data.is_contiguous():
+            raise ValueError(f"MeZO: parameter '{name}' is not contiguous (shape {tuple(param.shape)}, "
+                             f"strides {param.stride()}); it is shifted in place through a flat view: "
+                             f"make it contiguous (nn.Parameter(p.contiguous()))")
+        _, last = self._layout(name, param)
+        if not fits_one_stream(last):
+            raise ValueError(f"MeZO: parameter '{name}' draws z at counters up to {last} (its place in the "
+                             f"whole, shards), past a stream's 2**32 counters")
 
     @staticmethod
     def _work(param):
@@ -112,12 +130,12 @@ class MeZO:
 
     def _blocks(self, name, param):
         """(flat view of a block, z of that block in the work dtype) over the parameter:
-        drawn by ``draw_kernel`` where ``kernels_for`` the device and every counter of the
-        parameter fits one stream, else by the torch path (which raises on an overflow)."""
+        drawn by ``draw_kernel`` where ``kernels_for`` the device, else by the torch path
+        (every counter fits one stream: ``_check_shiftable``)."""
         flat = param.data.view(-1)
         key = stream_key(self.seed, self.call, name, BASE)
-        layout, last = self._layout(name, param)
-        kernel = kernels_for(param.device) and fits_one_stream(last)
+        layout, _ = self._layout(name, param)
+        kernel = kernels_for(param.device)
         for start in range(0, flat.numel(), self.block_elements):
             stop = min(start + self.block_elements, flat.numel())
             if kernel:
@@ -127,36 +145,38 @@ class MeZO:
             yield flat[start:stop], z
 
     def _kernel_layout(self, name, param):
-        """The counter layout for ``mezo_kernel`` where it runs (the device ``kernels_for``,
-        a contiguous parameter, every counter in one stream), else None (the torch path)."""
-        layout, last = self._layout(name, param)
-        if kernels_for(param.device) and param.data.is_contiguous() and fits_one_stream(last):
-            return layout
-        return None
+        """The counter layout for ``mezo_kernel`` where it runs (the device ``kernels_for``;
+        the parameter is contiguous and its counters fit one stream, ``_check_shiftable``),
+        else None (the torch path)."""
+        return self._layout(name, param)[0] if kernels_for(param.device) else None
 
-    def _shift(self, factor):
-        with torch.no_grad():
-            for name, param in self.params:
-                layout = self._kernel_layout(name, param)
-                if layout is not None:
-                    mezo_kernel.mezo_shift(param, self._work(param), stream_key(self.seed, self.call, name, BASE),
-                                           layout, self.eps, factor)
-                    continue
-                for block, z in self._blocks(name, param):
-                    block.copy_(block.to(z.dtype) + factor * (self.eps * z))
+    def _shift_one(self, name, param, factor):
+        """θ ← θ + factor · εz for one parameter."""
+        layout = self._kernel_layout(name, param)
+        if layout is not None:
+            mezo_kernel.mezo_shift(param, self._work(param), stream_key(self.seed, self.call, name, BASE),
+                                   layout, self.eps, factor)
+            return
+        for block, z in self._blocks(name, param):
+            block.copy_(block.to(z.dtype) + factor * (self.eps * z))
 
     def _local_losses(self, closure):
-        """This process's losses at θ + εz and θ - εz; θ restored whatever happens."""
-        losses, displaced = [], 0.0  # the weights sit at θ + displaced · εz
+        """This process's losses at θ + εz and θ - εz; θ restored whatever happens, even
+        when a shift fails part-way: each parameter is counted as displaced once its own
+        shift is done, and exactly those are shifted back."""
+        losses, displaced = [], {}  # parameter name: θ sits at θ + displaced · εz
         try:
             with torch.no_grad():
                 for shift in (1.0, -2.0):
-                    self._shift(shift)
-                    displaced += shift
+                    for name, param in self.params:
+                        self._shift_one(name, param, shift)
+                        displaced[name] = displaced.get(name, 0.0) + shift
                     losses.append(_scalar_loss(closure()))
         finally:
-            if displaced:
-                self._shift(-displaced)
+            with torch.no_grad():
+                for name, param in self.params:
+                    if displaced.get(name):
+                        self._shift_one(name, param, -displaced[name])
         return torch.stack([v.to(torch.float64) for v in losses])
 
     def _draw(self, closure):
