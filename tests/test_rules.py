@@ -36,6 +36,25 @@ def test_bad_hyperparameters_are_refused(make, message):
         make()
 
 
+@pytest.mark.parametrize("make", [
+    lambda eps: fk.AdamW(eps=eps), lambda eps: fk.Adam(eps=eps), lambda eps: fk.RMSprop(eps=eps),
+    lambda eps: fk.RMSprop(eps=eps, momentum=0.9, centered=True), lambda eps: fk.Adagrad(eps=eps),
+    lambda eps: fk.Adagrad(eps=eps, initial_accumulator_value=0.1)],
+    ids=["AdamW", "Adam", "RMSprop", "RMSprop-centered", "Adagrad", "Adagrad-initial"])
+def test_zero_eps_is_refused(make):
+    """eps is the denominators' floor: with eps=0 one zero gradient element of a zero state
+    divides 0 by 0, and the step then stopped blaming the gradient, weight or state. A
+    centered RMSprop's variance estimate is 0 for any constant gradient, and q8 state
+    stores an Adagrad sum below 2**-36 of its block's largest as 0 even when the sums
+    start above 0, so no setting makes 0 safe."""
+    with pytest.raises(ValueError, match=r"eps=0.0 is outside \(0.0, inf\]: eps must be > 0"):
+        make(0.0)
+    rule = make(1e-8)
+    rule.eps = 0
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        rule.scalars(1)
+
+
 def test_switching_momentum_on_after_construction_is_refused():
     rule = fk.SGD(lr=0.1)
     rule.momentum = 0.9

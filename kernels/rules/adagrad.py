@@ -4,7 +4,7 @@ initial accumulator value)."""
 import triton
 import triton.language as tl
 
-from .base import Rule, check_real
+from .base import Rule, check_eps, check_real
 
 
 @triton.jit
@@ -45,7 +45,7 @@ class Adagrad(Rule):
         check_real("lr_decay", self.lr_decay, low=0.0)
         check_real("weight_decay", self.weight_decay, low=0.0)
         check_real("initial_accumulator_value", self.initial_accumulator_value, low=0.0)
-        check_real("eps", self.eps, low=0.0)
+        check_eps(self.eps)
 
     def _host_scalars(self, step):
         return (self.lr / (1.0 + (step - 1) * self.lr_decay), self.weight_decay, self.eps)

@@ -19,7 +19,7 @@ fraction of its instructions (proofs/scalar_division.md).
 import triton
 import triton.language as tl
 
-from .base import Rule, bias_corrections, check_real
+from .base import Rule, bias_corrections, check_eps, check_real
 from .scalar_division import div_by_scalar_rn, reciprocal_f64
 
 
@@ -58,7 +58,7 @@ class AdamW(Rule):
             raise ValueError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
         check_real("betas[0]", self.betas[0], low=0.0, high=1.0, high_open=True)
         check_real("betas[1]", self.betas[1], low=0.0, high=1.0, high_open=True)
-        check_real("eps", self.eps, low=0.0)
+        check_eps(self.eps)
         check_real("weight_decay", self.weight_decay, low=0.0)
 
     def _host_scalars(self, step):

@@ -42,8 +42,9 @@ def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, floa
 
 
 def check_real(name: str, value, *, low: float = -math.inf, high: float = math.inf,
-               low_open: bool = False, high_open: bool = False) -> float:
-    """Return ``value`` as a float or raise a ValueError naming the bad hyperparameter."""
+               low_open: bool = False, high_open: bool = False, why: str = "") -> float:
+    """Return ``value`` as a float or raise a ValueError naming the bad hyperparameter
+    (and ``why`` the range is what it is, when given)."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -52,8 +53,16 @@ def check_real(name: str, value, *, low: float = -math.inf, high: float = math.i
     if not math.isfinite(value) or below or above:
         lo = "(" if low_open else "["
         hi = ")" if high_open else "]"
-        raise ValueError(f"{name}={value!r} is outside {lo}{low}, {high}{hi}")
+        raise ValueError(f"{name}={value!r} is outside {lo}{low}, {high}{hi}" + (f": {why}" if why else ""))
     return value
+
+
+def check_eps(value) -> float:
+    """A denominator's ``eps``, which must be > 0: with 0, one gradient element that is 0
+    where its state is 0 divides 0 by 0 (the step then stops with a non-finite update)."""
+    return check_real("eps", value, low=0.0, low_open=True,
+                      why="eps must be > 0 (it keeps the update's denominator from 0 where a gradient "
+                          "element and its state are 0)")
 
 
 class Rule:

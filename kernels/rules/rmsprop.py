@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .base import Rule, check_real
+from .base import Rule, check_eps, check_real
 
 MOMENTUM_BIT, CENTERED_BIT = 1, 2
 
@@ -60,7 +60,7 @@ class RMSprop(Rule):
     def _validate(self):
         check_real("lr", self.lr, low=0.0)
         check_real("alpha", self.alpha, low=0.0, high=1.0)
-        check_real("eps", self.eps, low=0.0)
+        check_eps(self.eps)
         check_real("weight_decay", self.weight_decay, low=0.0)
         check_real("momentum", self.momentum, low=0.0)
         if hasattr(self, "_has_momentum") and (self.momentum != 0) != self._has_momentum:
