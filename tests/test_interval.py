@@ -1,6 +1,7 @@
 """The fp32 enclosure is sound (every fp32 evaluation lands inside), not vacuous (it
 is narrow), and it catches a planted scalar mistake that bitwise fused==oracle cannot."""
 
+import mpmath
 import numpy as np
 import pytest
 import torch
@@ -9,8 +10,10 @@ import forge_kernels as fk
 from forge_verify.checks import claims
 from forge_verify.checks.catalog import reference_step
 from forge_verify.checks.problems import Problem
+from forge_verify.numerics import interval
 from forge_verify.numerics.interval import Interval
 from forge_verify.numerics.reference import ENCLOSURE, POINT
+from forge_verify.numerics.tolerances import FP32_UNDERFLOW
 
 
 def _fp32(rng, n, scale=1.0):
@@ -33,6 +36,28 @@ def test_every_fp32_operation_lands_inside():
     }
     for name, (enclosure, value) in checks.items():
         assert bool(enclosure.contains(torch.from_numpy(value)).all()), name
+
+
+#: float64 values whose square root torch 2.13.0+cpu's float64 sqrt rounds one ulp away
+#: from the correctly rounded value (under every ATEN_CPU_CAPABILITY)
+TORCH_SQRT_MISSES = [51.0, 78.0, 0.19, 0.198]
+
+
+def test_square_roots_are_correctly_rounded():
+    """Each endpoint is moved outward by one float64 ulp, which covers its rounding only
+    if it is the correctly rounded value (proofs/reference_enclosure.md): the float64
+    reference's square root, and the enclosure's endpoints, are mpmath's at 53 bits."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(np.concatenate([TORCH_SQRT_MISSES, np.abs(rng.standard_normal(2000))
+                                         * 10.0 ** rng.integers(-30, 30, 2000)]))
+    with mpmath.workprec(53):
+        rounded = torch.tensor([float(mpmath.sqrt(v)) for v in x.tolist()], dtype=torch.float64)
+    assert torch.equal(POINT.sqrt(x), rounded)
+    # the model's widening of the correctly rounded endpoint, once each way
+    expected_lo = torch.nextafter(rounded, torch.zeros_like(rounded))
+    expected_lo = torch.nextafter(expected_lo - (interval._OP_UNIT * expected_lo + FP32_UNDERFLOW),
+                                  torch.full_like(rounded, -torch.inf)).clamp_min(0)
+    assert torch.equal(Interval.exact(x).sqrt().lo, expected_lo)
 
 
 def test_underflow_lands_inside():

@@ -3,7 +3,8 @@
 Every operation on :class:`Interval` returns an interval that contains every value
 an fp32 kernel can produce for that operation from operands inside the inputs:
 the exact result's range is computed in float64 and widened outward by one float64
-ulp (float64 operations are correctly rounded), then widened by the fp32 rounding
+ulp (every float64 operation used is correctly rounded: torch's +, -, *, / and numpy's
+square root, see :func:`sqrt_rn`), then widened by the fp32 rounding
 model |fl(z) - z| <= u|z| + FP32_UNDERFLOW, and outward again. Hence it holds for
 any fp32 evaluation of the same operation sequence, fused multiply-adds included
 (an FMA rounds once where the model allows twice). See proofs/reference_enclosure.md.
@@ -28,6 +29,13 @@ def _down(t):
 
 def _up(t):
     return torch.nextafter(t, torch.full_like(t, torch.inf))
+
+
+def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float64 square root, elementwise. torch's CPU float64 sqrt is
+    not correctly rounded on every build (torch 2.13.0+cpu: sqrt(51) is one ulp high);
+    numpy's is (IEEE 754 requires it, and its square-root instructions are)."""
+    return torch.from_numpy(np.asarray(np.sqrt(t.detach().cpu().to(_F64).numpy()))).to(t.device)
 
 
 def _as_tensor(value):
@@ -169,7 +177,7 @@ class Interval:
     def sqrt(self):
         # The operand of every sqrt in the rules is non-negative in exact arithmetic;
         # a lower end below zero is rounding slack and is clamped.
-        return self._fp32_op(self.lo.clamp_min(0).sqrt(), self.hi.clamp_min(0).sqrt())
+        return self._fp32_op(sqrt_rn(self.lo.clamp_min(0)), sqrt_rn(self.hi.clamp_min(0)))
 
     def sign(self):
         """Exact: every sign the values in the interval can have."""

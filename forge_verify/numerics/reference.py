@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .interval import Interval
+from .interval import Interval, sqrt_rn
 from .tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF, accumulation_rtol, gamma
 
 
@@ -33,7 +33,7 @@ class _Point:
 
     @staticmethod
     def sqrt(x):
-        return torch.sqrt(x)
+        return sqrt_rn(x)
 
     @staticmethod
     def sign(x):
