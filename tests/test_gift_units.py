@@ -65,10 +65,26 @@ def test_round_trip_knows_its_formats():
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_power_of_two_scale_is_the_largest_power_of_two_not_above_the_current_scale(fmt):
     module = fk.gift.FORMATS[fmt]
-    for amax in (1e-30, 0.3, 1.0, 3.0, 448.0, 5e4, 3e38):
+    for amax in (1e-37, 1e-30, 0.3, 1.0, 3.0, 448.0, 5e4, 3e38):  # 1e-37: the current scale clamped to FLT_MAX
         current = float(module.scale_for(torch.tensor(amax)))
         power = float(module.scale_for(torch.tensor(amax), power_of_two=True))
         assert power <= current < 2 * power and power == 2.0 ** round(torch.log2(torch.tensor(power)).item())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scaling", ["current", "power_of_two"])
+def test_a_tiny_tensor_round_trips_to_finite_values(fmt, scaling):
+    """amax below format max / FLT_MAX (1.3e-36 for E4M3, 1.7e-34 for E5M2): max / amax
+    overflows fp32, so the scale is clamped to FLT_MAX (its power of two 2**127), as
+    Transformer Engine clamps it; unclamped, the zeros encoded as 0 · inf = NaN."""
+    module = fk.gift.FORMATS[fmt]
+    x = torch.zeros(16)
+    x[0], x[1] = 1e-37, -3e-38
+    scale = module.scale_for(module.tensor_amax(x), power_of_two=scaling == "power_of_two")
+    assert float(scale) == (torch.finfo(torch.float32).max if scaling == "current" else 2.0 ** 127)
+    decoded = module.decode(module.encode(x, scale), scale)
+    assert bool(torch.isfinite(decoded).all()) and bool((decoded[2:] == 0).all())
+    assert float((decoded - x).abs().max()) <= 2.0 ** -3 * 1e-37  # within a half step of the top binade
 
 
 def test_nvfp4_needs_whole_blocks_along_the_last_dimension():
@@ -84,6 +100,10 @@ def test_range_hits_count_what_leaves_the_normal_range_under_current_scaling():
     assert fk.gift.range_hits(x, "e4m3") == 3  # 2**-20, -2**-16, 2**-30 (not 0, not 2**-14)
     assert fk.gift.range_hits(x, "e5m2") == 1  # 2**-30 only
     assert fk.gift.range_hits(torch.zeros(5), "e4m3") == 0
+    # amax 1e-37: the scale is FLT_MAX (not inf, which counted every nonzero element as above
+    # the range); 1e-44 · FLT_MAX = 3.4e-6 is below both formats' smallest normal
+    tiny = torch.tensor([1e-37, -3e-38, 1e-44, 0.0])
+    assert fk.gift.range_hits(tiny, "e4m3") == 1 and fk.gift.range_hits(tiny, "e5m2") == 1
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "fp32"])

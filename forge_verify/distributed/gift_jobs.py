@@ -144,6 +144,49 @@ def gift_training_digests(seed: int, fmt: str, steps: int, refresh_every: int):
     return state.digests, parameter_digests
 
 
+class _GatedBranches(nn.Module):
+    """Two linear branches summed; ``gate`` scales the second one's output (0 turns its
+    gradients to exact zeros)."""
+
+    def __init__(self, features: int = 16):
+        super().__init__()
+        self.a, self.b = nn.Linear(features, features), nn.Linear(features, features)
+        self.register_buffer("gate", torch.ones(()))
+
+    def forward(self, x):
+        return self.a(x) + self.gate * self.b(x)
+
+
+def gated_branch_training(seed: int, fmt: str, exchange: str, route: str, steps: int):
+    """DDP with the GIFT hook (error feedback on), the second branch gated off after step
+    0, so that its gradients are exactly zero from then on and their residuals decay
+    step by step towards fp32's smallest values (``route`` "gift": that branch whitened).
+    (the first step at which a parameter or the hook's result was not finite, or None;
+    the error raised, or None; the largest |residual| of the gated weight at the end)."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = _GatedBranches()
+    ddp = DistributedDataParallel(model)
+    state = fk.gift.GiftState(None, fmt, 4, 10, layers=[model.b] if route == "gift" else [], exchange=exchange,
+                              overlap=False)
+    ddp.register_comm_hook(state, fk.gift.gift_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    for step in range(steps):
+        if step == 1:
+            model.gate.zero_()
+        optimizer.zero_grad(set_to_none=True)
+        try:
+            (ddp(torch.randn(8, 16, generator=g)) ** 2).mean().backward()
+        except Exception as error:  # noqa: BLE001 - reported to the property, which fails on it
+            return step, f"{type(error).__name__}: {error}", None
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters())]
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            return step, None, None
+        optimizer.step()
+    return None, None, float(state.residuals[id(model.b.weight)].abs().max())
+
+
 def _ledger_state(layer, exchange: str):
     """The ledgers' hook state: E4M3 with power-of-two scales and no damping, so that
     with power-of-two transforms and dyadic gradients every step is exact in float64;

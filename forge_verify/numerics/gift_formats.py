@@ -6,7 +6,8 @@ independently of torch's float8 casts, for bit-for-bit comparison.
 * ``round_to_grid(v, fmt)``: a float64 value rounded to the nearest finite FP8 value,
   ties to the code with an even mantissa, E4M3 saturating at 448, E5M2 overflowing to
   inf from 61440 (the midpoint above 57344), the sign kept on zero.
-* ``fp8_encode_reference``: current scaling, element by element in numpy fp32.
+* ``fp8_scale_reference``, ``fp8_encode_reference``: current scaling, element by element
+  in numpy fp32.
 * ``nvfp4_quantize_reference``: TE's NVFP4 recipe block by block in numpy fp32
   scalars, with the E4M3 block-scale cast by ``round_to_grid`` and E2M1 by nearest
   level with ties to the even code.
@@ -85,8 +86,11 @@ def fp8_encode_reference(x: torch.Tensor, scale: float, fmt: str) -> torch.Tenso
 
 
 def fp8_scale_reference(amax: float, fmt: str) -> float:
+    """Current scaling's ``min(fl32(max / amax), FLT_MAX)``, 1 for amax 0 (the clamp is
+    Transformer Engine's: below amax = max / FLT_MAX the quotient overflows)."""
     top = np.float32(448.0 if fmt == "e4m3" else 57344.0)
-    return 1.0 if amax == 0 else float(top / np.float32(amax))
+    with np.errstate(over="ignore"):
+        return 1.0 if amax == 0 else float(min(top / np.float32(amax), np.finfo(np.float32).max))
 
 
 def _e2m1_code(v: np.float32) -> int:

@@ -1,12 +1,17 @@
 """Per-tensor FP8 with current scaling, the shared body of ``e4m3.py`` and ``e5m2.py``.
 
-Encoding: ``scale = format_max / amax`` in fp32 (1 when the tensor is all zeros), then
-``code = bits(cast_fp8(fl32(x * scale)))``: the product rounds once to fp32 and torch's
-cast rounds it to nearest, ties to even. That double rounding is the definition (it is
-what Transformer Engine's current-scaling recipe computes); the straight reference in
+Encoding: ``scale = min(fl(format_max / amax), FLT_MAX)`` in fp32 (1 when the tensor is
+all zeros), then ``code = bits(cast_fp8(fl32(x * scale)))``: the product rounds once to
+fp32 and torch's cast rounds it to nearest, ties to even. That double rounding is the
+definition (it is what Transformer Engine's current-scaling recipe computes, with the
+same FLT_MAX clamp in its ``compute_scale_from_amax``); the straight reference in
 ``forge_verify/numerics/gift_formats.py`` rounds the same fp32 product on its own code
 grid. ``|x * scale| <= format_max`` up to one fp32 rounding of the scale, which both
-formats map to the largest finite code, so no code is inf or NaN.
+formats map to the largest finite code, so no code is inf or NaN. The clamp matters for
+amax below ``format_max / FLT_MAX`` (about 1.3e-36 for E4M3): the quotient would overflow
+to inf and an element 0 would encode as 0 · inf = NaN (an error-feedback residual decays
+there when a layer's gradient stays zero); clamped, ``|x * scale| <= amax * FLT_MAX``,
+which is below ``format_max``.
 
 Out of range (a caller's shared scale too large): E4M3, which has no infinity,
 saturates to +-448; E5M2 overflows to +-inf from 61440, the midpoint above its largest
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import NonFiniteInputError
+
+FLT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -56,15 +63,15 @@ class PerTensorFP8:
         return x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
     def scale_for(self, amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
-        """``format_max / amax`` in fp32; 1 for amax 0 (an all-zero tensor encodes to zeros).
-        ``power_of_two``: rounded down to a power of two, so that decoding divides exactly
-        (the largest value may then use only half the range)."""
+        """``min(format_max / amax, FLT_MAX)`` in fp32; 1 for amax 0 (an all-zero tensor
+        encodes to zeros). ``power_of_two``: rounded down to a power of two, so that decoding
+        divides exactly (the largest value may then use only half the range)."""
         amax = torch.as_tensor(amax, dtype=torch.float32)
         if not bool(torch.isfinite(amax)) or float(amax) < 0:
             raise NonFiniteInputError(f"{self.name}: amax {float(amax)} is not a finite magnitude")
         if float(amax) == 0.0:
             return torch.ones((), dtype=torch.float32, device=amax.device)
-        scale = torch.tensor(self.max, dtype=torch.float32, device=amax.device) / amax
+        scale = torch.clamp(torch.tensor(self.max, dtype=torch.float32, device=amax.device) / amax, max=FLT_MAX)
         if power_of_two:
             _, exponent = torch.frexp(scale)  # scale = m · 2**exponent, m in [0.5, 1)
             scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=amax.device), exponent - 1)
