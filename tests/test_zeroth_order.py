@@ -576,3 +576,55 @@ def test_a_mezo_shift_failing_part_way_shifts_back_exactly_the_parameters_it_mov
         fk.MeZO(model, lr=0.1, eps=1e-3).step(lambda: (model(x) ** 2).mean())
     for n, p in model.named_parameters():
         assert_bitwise_equal(p.detach(), torch.zeros_like(p), n)
+
+
+# --- GRZO: a target whose module never runs -------------------------------------------------
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.att(x, x, x, need_weights=False)[0]).squeeze(-1).pow(2).sum(-1)
+
+
+def test_a_target_whose_module_forward_never_runs_is_refused_by_name():
+    """nn.MultiheadAttention applies out_proj.weight through F.linear, so out_proj's own
+    forward (and its hook) never runs: with in_proj frozen, as the refusal of the
+    attention's own parameters advises, GRZO used to update out_proj with pure noise
+    (cosine 0.13 to the true gradient over 2,000 estimates). Refused naming it, nothing
+    written, the counter kept; frozen too, the rest trains."""
+    torch.manual_seed(0)
+    model = _Attention().double()
+    with pytest.raises(TypeError, match="nn.MultiheadAttention's out_proj"):
+        fk.GRZO(model, lr=0.1)
+    model.att.in_proj_weight.requires_grad_(False)
+    model.att.in_proj_bias.requires_grad_(False)
+    x = torch.randn(4, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opt, before = fk.GRZO(model, lr=0.1, normalize="none"), _snapshot(model)
+    with pytest.raises(ValueError, match=r"\['att.out_proj.weight', 'att.out_proj.bias'\] were not perturbed"):
+        opt.step(lambda: model(x))
+    with pytest.raises(ValueError, match="were not perturbed"):
+        opt.estimate(lambda: model(x))
+    _unchanged(model, before)
+    assert opt.call == 0
+    model.att.out_proj.requires_grad_(False)
+    assert fk.GRZO(model, lr=0.1, normalize="none").step(lambda: model(x)).stepped
+
+
+def test_a_module_the_closure_skips_in_one_forward_is_refused():
+    """A module that runs in the +σ forward but not in the -σ one was perturbed in one
+    loss only: δ would hold its whole output change over 2σ."""
+    model, idx = _Small(), _tokens()
+    calls = []
+
+    def closure():
+        calls.append(None)
+        h = model.proj(model.norm(model.tok(idx)))
+        return ((model.rms(h) if len(calls) == 1 else h) ** 2).sum((1, 2))
+    opt, before = fk.GRZO(model, lr=0.1), _snapshot(model)
+    with pytest.raises(ValueError, match=r"\['rms.weight'\] were not perturbed"):
+        opt.step(closure)
+    _unchanged(model, before)

@@ -113,7 +113,10 @@ class GRZO:
     and bf16 parameters, fp64 for fp64) and writes nothing.
 
     Refused, with nothing written and the counter kept: non-finite losses
-    (``NonFiniteLossError``), B = 1 under ``"std"``, a closure of the wrong shape.
+    (``NonFiniteLossError``), B = 1 under ``"std"``, a closure of the wrong shape, a
+    target whose module's forward did not run in both forwards (its weight is used
+    outside that forward, where no hook perturbs it, e.g. nn.MultiheadAttention's
+    out_proj: freeze it).
     Under ``"std"`` all-equal δ takes no step (``NoStepWarning``; the counter advances),
     and so does, under either normalization, a σ that moved no loss at all (the warning
     names σ and the dtype: in bf16 a small σ is rounded away).
@@ -145,13 +148,15 @@ class GRZO:
         self.call = 0
 
     def _local_forwards(self, closure, draws):
-        batches, losses = [], []
+        batches, losses, fired = [], [], []
         with torch.no_grad():
             for sign in (1, -1):
                 with Perturbed(self.targets, draws, self.sigma, sign, self.block_elements,
                                self.data_rank) as hooks:
                     losses.append(per_example_losses(closure()))
                 batches.append(hooks.batch)
+                fired.append(hooks.fired)
+        self._check_perturbed(fired)
         batch = losses[0].numel()
         for seen in batches:
             if seen is not None and seen != batch:
@@ -159,6 +164,18 @@ class GRZO:
         if losses[1].numel() != batch:
             raise ValueError(f"the closure returned {batch} losses at +sigma and {losses[1].numel()} at -sigma")
         return losses[0], losses[1], batch
+
+    def _check_perturbed(self, fired):
+        """Refuse targets whose module's forward did not run in both forwards: their
+        hooks never perturbed them, so δ says nothing about them and their update
+        would be noise."""
+        silent = [t.name for t in self.targets if not all(t.module in seen for seen in fired)]
+        if silent:
+            raise ValueError(f"{self.method}: parameter(s) {silent} were not perturbed: their module's forward "
+                             f"did not run in both forwards of the closure (a weight applied outside its module's "
+                             f"forward, such as nn.MultiheadAttention's out_proj, which it calls through F.linear, "
+                             f"or a module the closure skipped); no step was taken: freeze them "
+                             f"(requires_grad_(False)) to train the rest")
 
     def _forwards(self, closure, draws):
         """The losses of the whole batch at +σ and -σ and its size B (all ranks')."""

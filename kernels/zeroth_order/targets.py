@@ -122,7 +122,8 @@ def find_targets(model: nn.Module, method: str, shards=None) -> list:
             raise TypeError(
                 f"{method} perturbs the parameters of nn.Linear, nn.Embedding, nn.LayerNorm and "
                 f"nn.RMSNorm (their own forward); {where} has trainable parameters "
-                f"{[n for n, _ in trainable]}: freeze them (requires_grad_(False)) to train the rest")
+                f"{[n for n, _ in trainable]}: freeze them (requires_grad_(False)) to train the rest, and "
+                f"any Linear inside it whose weight it applies itself (nn.MultiheadAttention's out_proj)")
         if isinstance(module, nn.Embedding) and module.max_norm is not None:
             raise TypeError(f"{method}: {where} renormalises rows in its forward (max_norm), which "
                             f"a perturbation added to its output cannot represent")
@@ -242,7 +243,9 @@ def _accumulate(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
 
 class Perturbed:
     """Context: forward hooks on every target's module adding ``sign · scale`` times the
-    targets' output change; records the batch size every hooked call saw. ``data_rank``
+    targets' output change; records the batch size every hooked call saw and which
+    modules' forwards ran (``fired``: a target whose module did not run was not
+    perturbed, e.g. a weight its owner applies with F.linear). ``data_rank``
     r: this process holds global examples r·b, ..., r·b + b - 1 of its local batch b
     (data parallelism with equal local batches)."""
 
@@ -253,6 +256,7 @@ class Perturbed:
         self.draws, self.scale, self.sign, self.block_elements = draws, scale, sign, block_elements
         self.data_rank = data_rank
         self.batch = None
+        self.fired = set()
         self.handles = []
 
     def _hook(self, module, inputs, output):
@@ -266,6 +270,7 @@ class Perturbed:
                              f"shared by all examples, such as a position embedding called with "
                              f"arange(T), must be frozen)")
         self.batch = batch
+        self.fired.add(module)
         first = self.data_rank * batch
         # accumulated in place (the widest module's output may be the logits): the same
         # operations, so the same bits, as output + (sign · scale) · Σ changes
