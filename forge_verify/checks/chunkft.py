@@ -26,9 +26,10 @@ from forge_kernels.chunkft import Slice, plan_chunks, tensor_costs
 from forge_kernels.chunkft.plan import UNITS_PER_BYTE
 
 from ..numerics.bits import assert_bitwise_equal
+from ..numerics.tolerances import UNIT_ROUNDOFF, gamma
 
-_U32 = 2.0 ** -24  # unit roundoff of fp32
-_U64 = 2.0 ** -53
+_U32 = UNIT_ROUNDOFF[torch.float32]
+_U64 = UNIT_ROUNDOFF[torch.float64]
 
 
 class TinyChunkModel(nn.Module):
@@ -273,10 +274,6 @@ def _through_bytes(state_dict):
 
 
 # ----- descent on a convex quadratic -------------------------------------------------------
-def _gamma(n, u=_U32):
-    return n * u / (1 - n * u)
-
-
 def quadratic_objective(weight, x, y):
     """f(W) = ½ Σ_t ‖W x_t − y_t‖², in float64 (W: (N, K), x: (T, K), y: (T, N))."""
     residual = x @ weight.T - y
@@ -304,9 +301,9 @@ def descent_slack(w, w_new, x, y, lr, dim, start, stop) -> float:
     T, K = x.shape
     index = (slice(start, stop), slice(None)) if dim == 0 else (slice(None), slice(start, stop))
     magnitude = x.abs() @ w.abs().T + y.abs()                          # Σ_k |W_ik x_tk| + |y_ti|
-    dy_error = _gamma(K + 1) * magnitude                               # fp32 forward and residual
+    dy_error = gamma(K + 1, _U32) * magnitude                       # fp32 forward and residual
     dy_bound = (x @ w.T - y).abs() + dy_error
-    grad_error = _gamma(T) * (dy_bound.T @ x.abs()) + dy_error.T @ x.abs()
+    grad_error = gamma(T, _U32) * (dy_bound.T @ x.abs()) + dy_error.T @ x.abs()
     grad = quadratic_gradient(w, x, y)
     grad_bound = grad.abs() + grad_error
     delta = (lr * grad_error + lr * grad_bound * (2 * _U32 + _U32 ** 2)
@@ -355,3 +352,44 @@ def sgd_chunk_step_descends(x, y, w0, chunks, split, steps, lr_factor=1.0):
         share = guaranteed / achieved if achieved > 0 else (0.0 if guaranteed <= 0 else float("inf"))
         worst = max(worst, share)
     return worst
+
+
+# ----- bounds of the norm and bias gradient tests -----------------------------------------
+def norm_weight_grad_bound(x, dy, kind, eps, u):
+    """Element-wise bound on |ĝ − g| for a LayerNorm ("layer_norm") or RMSNorm
+    ("rms_norm") weight gradient g = Σ_t dy_t·x̂_t over the last dim, ĝ computed in a
+    format of unit roundoff ``u`` from the same x and dy in any order of summation, g
+    exact (proofs/chunkft.md §8): twice the first-order bound, which covers the
+    second-order terms and the bound's own float64 evaluation."""
+    x = x.double().reshape(-1, x.shape[-1])
+    dy = dy.double().reshape(-1, dy.shape[-1])
+    T, D = x.shape
+    if kind == "rms_norm":
+        rstd = torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+        x_hat = x * rstd
+        x_hat_error = gamma(D + 7, u) * x_hat.abs()
+    elif kind == "layer_norm":
+        centered = x - x.mean(-1, keepdim=True)
+        variance = (centered * centered).mean(-1, keepdim=True)
+        reach = x.abs() + x.abs().mean(-1, keepdim=True)  # |x_j| + mean|x|, above |x_j − μ|
+        cancellation = (variance + 2 * (reach * reach).mean(-1, keepdim=True) + eps) / (variance + eps)
+        rstd = torch.rsqrt(variance + eps)
+        x_hat = centered * rstd
+        x_hat_error = rstd * (gamma(D + 2, u) * reach + gamma(D + 7, u) * cancellation * centered.abs())
+    else:
+        raise ValueError(f"kind must be 'layer_norm' or 'rms_norm', got {kind!r}")
+    return 2 * token_sum_bound(dy.abs() * (x_hat.abs() + x_hat_error), u) + 2 * (dy.abs() * x_hat_error).sum(0)
+
+
+def token_sum_bound(magnitudes, u):
+    """γ_T·Σ_t m_t per column: the error of a length-T dot product (or sum) over the tokens
+    (dim 0) in any order, its terms' magnitudes m (proofs/chunkft.md §8)."""
+    magnitudes = magnitudes.double().reshape(-1, magnitudes.shape[-1])
+    return gamma(max(magnitudes.shape[0], 1), u) * magnitudes.sum(0)
+
+
+def sgd_step_bound(weight, lr, grad, u):
+    """Bound on |(w − w⁺)/lr − ĝ| for a plain SGD step w⁺ = fl(w − fl(lr·ĝ)) (no momentum,
+    no decay, lr exact in the format): u·(|w|/lr + 2|ĝ|), to first order, doubled
+    (proofs/chunkft.md §8). ``grad`` bounds |ĝ| element-wise."""
+    return 2 * u * (weight.double().abs() / lr + 2 * grad.double().abs())
