@@ -160,6 +160,14 @@ class MeZO:
         for block, z in self._blocks(name, param):
             block.copy_(block.to(z.dtype) + factor * (self.eps * z))
 
+    def _shift(self, factor, displaced=None):
+        """θ ← θ + factor · εz for every parameter, each added to ``displaced`` (name:
+        total factor) as soon as its own shift is done."""
+        for name, param in self.params:
+            self._shift_one(name, param, factor)
+            if displaced is not None:
+                displaced[name] = displaced.get(name, 0.0) + factor
+
     def _local_losses(self, closure):
         """This process's losses at θ + εz and θ - εz; θ restored whatever happens, even
         when a shift fails part-way: each parameter is counted as displaced once its own
@@ -168,9 +176,7 @@ class MeZO:
         try:
             with torch.no_grad():
                 for shift in (1.0, -2.0):
-                    for name, param in self.params:
-                        self._shift_one(name, param, shift)
-                        displaced[name] = displaced.get(name, 0.0) + shift
+                    self._shift(shift, displaced)
                     losses.append(_scalar_loss(closure()))
         finally:
             with torch.no_grad():
