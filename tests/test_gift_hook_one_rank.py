@@ -4,7 +4,8 @@ gradients; the codec on the GPU; uint8 codes through NCCL's all-gather and all-t
 round trip: the identity codec gives DDP's averaged gradient bit for bit, E4M3 and NVFP4
 give ``fk.gift.round_trip`` of it bit for bit (through the layer's transform on the GIFT route) (first step: no residual yet; one rank's
 amax is the agreed one), on both exchanges (the reduce-scatter's second quantization
-re-encodes a grid value under the same scale: a fixed point). The multi-rank hook
+re-encodes a grid value under the same scale: a fixed point, up to NVFP4's sign of zero,
+which TE's E2M1 rounding drops from -0.0). The multi-rank hook
 properties need as many GPUs as ranks under NCCL; this is what one GPU can check."""
 
 import pytest

@@ -412,19 +412,22 @@ def hook_on_the_pools_device(seed: int, fmt: str, exchange: str, route: str = "p
     for i, (a, b) in enumerate(zip(model.parameters(), twin.parameters())):
         if route == "gift" and i == 0:
             whitening = state.whitenings[0]
-            expected = whitening.invert(_flat_round_trip(whitening.apply(b.grad), fmt))
+            expected = whitening.invert(_flat_round_trip(whitening.apply(b.grad), fmt, exchange))
         else:
-            expected = _flat_round_trip(b.grad, fmt)
+            expected = _flat_round_trip(b.grad, fmt, exchange)
         out.append((a.grad.cpu(), b.grad.cpu(), expected.cpu()))
     return out
 
 
-def _flat_round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def _flat_round_trip(x: torch.Tensor, fmt: str, exchange: str) -> torch.Tensor:
     """``fk.gift.round_trip`` of a tensor as the hook codes it: flattened, and for NVFP4
-    zero-padded to whole 16-element blocks (the hook's padding); the identity for fp32."""
+    zero-padded to whole 16-element blocks (the hook's padding); the identity for fp32.
+    NVFP4 on the reduce-scatter: its second quantization re-encodes a decoded -0.0 (a
+    negative value that rounded to zero) as Transformer Engine does, code 0, so +0.0."""
     if fmt == "fp32":
         return x.clone()
     flat = x.reshape(1, -1)
     if fmt == "nvfp4":
         flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % 16))
-    return fk.gift.round_trip(flat, fmt)[0, :x.numel()].reshape(x.shape)
+    out = fk.gift.round_trip(flat, fmt)[0, :x.numel()].reshape(x.shape)
+    return out + 0.0 if (fmt, exchange) == ("nvfp4", "reduce_scatter") else out

@@ -94,7 +94,7 @@ def fp8_scale_reference(amax: float, fmt: str) -> float:
 
 
 def _e2m1_code(v: np.float32) -> int:
-    sign = 8 if math.copysign(1.0, v) < 0 else 0  # the sign kept on zero
+    sign = 8 if v < 0 else 0  # TE's rule: -0.0 is code 0, a negative value rounding to 0 is 8
     a = min(abs(float(v)), 6.0)
     distances = [abs(a - level) for level in E2M1_LEVELS]  # exact in float64
     best = min(distances)

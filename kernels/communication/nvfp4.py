@@ -75,8 +75,9 @@ def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     index = torch.searchsorted(thresholds, magnitude.contiguous(), right=False)  # thresholds below
     at_tie = (index < len(THRESHOLDS)) & (thresholds[index.clamp(max=len(THRESHOLDS) - 1)] == magnitude)
     index = index + (at_tie & (index % 2 == 1)).to(index.dtype)  # a tie goes to the even code
-    # The sign kept on zero, as the FP8 formats keep it: a decoded -0 re-encodes as -0.
-    return (index + 8 * torch.signbit(scaled).to(index.dtype)).to(torch.uint8)
+    # TE's cast_to_fp4x2 sets the sign for x < 0 only: a negative value that rounds to 0
+    # keeps it (code 8), -0.0 itself does not (its (x >= 0) & (x <= 0.25) holds: code 0).
+    return (index + 8 * (scaled < 0).to(index.dtype)).to(torch.uint8)
 
 
 def quantize(x: torch.Tensor, amax: torch.Tensor | None = None) -> QuantizedNVFP4:
