@@ -23,6 +23,7 @@ operands that cover every token (``tensor_parallel``). Explicit-collective
 
 import json
 import weakref
+from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -117,16 +118,23 @@ class ForgeLinear(nn.Linear):
 
     A checkpoint (``state_dict()``) of the layer holds ``weight`` and ``bias``, the
     state buffers, ``forge_step``, ``forge_seed`` and ``_extra_state``: the rule's class
-    name as UTF-8 JSON (``{"rule": "AdamW"}``) in a uint8 tensor, so that checkpoints stay
-    all tensors (``torch.load(weights_only=True)``, bitwise comparisons). The state
-    format is the state tensors' own dtype (fp32, bf16, q8 codes). ``load_state_dict``
-    refuses a checkpoint of this layer whose state format, slots or recorded rule are
-    not the layer's (a bf16 layer loading fp32 state would round it in silence, an Adam
-    layer would take AdamW's state), with a RuntimeError naming the layer and both; the
-    layer is then left as it was. A checkpoint without the record (written before the
-    rule was recorded) loads as before, its format and slots checked; one without any of
-    the layer's fused entries (a plain ``nn.Linear`` checkpoint, ``strict=False``) loads
-    its weight and bias.
+    name and its hyperparameters but the learning rate, as UTF-8 JSON in a uint8 tensor
+    (``{"rule": "AdamW", "hyperparameters": {"betas": [0.9, 0.999], "eps": 1e-08,
+    "weight_decay": 0.01}}``), so that checkpoints stay all tensors
+    (``torch.load(weights_only=True)``, bitwise comparisons). The learning rate is left
+    out because schedulers own it (``fk.Trainer`` keeps it in its optimizer's state). The
+    state format is the state tensors' own dtype (fp32, bf16, q8 codes).
+    ``load_state_dict`` refuses a checkpoint of this layer whose state format, slots,
+    rule or hyperparameters are not the layer's (a bf16 layer loading fp32 state would
+    round it in silence, an Adam layer would take AdamW's state, an AdamW layer would go
+    on from other betas' moments), with a RuntimeError naming the layer and both, the
+    differing hyperparameters by name; the layer is then left as it was. A checkpoint
+    without the hyperparameters (written before they were recorded) cannot be checked
+    and is refused too, its format and slots checked first; the error says how to give it
+    the layer's record (``checkpoint[key] = layer.get_extra_state()``), which is also how
+    to go on with other hyperparameters on purpose. A checkpoint without any of the
+    layer's fused entries (a plain ``nn.Linear`` checkpoint, ``strict=False``) loads its
+    weight and bias.
 
     ``report``: ``"raise"`` (default) checks each step at the end of its backward, one
     device-to-host synchronization, and raises there; ``"defer"`` takes the step with
@@ -257,8 +265,10 @@ class ForgeLinear(nn.Linear):
         return state
 
     def get_extra_state(self):
-        """The rule's class name, as UTF-8 JSON in a uint8 tensor (see the class docstring)."""
-        return torch.tensor(list(json.dumps({"rule": type(self.rule).__name__}).encode()), dtype=torch.uint8)
+        """The rule's class name and hyperparameters but the learning rate, as UTF-8 JSON in
+        a uint8 tensor (see the class docstring)."""
+        record = {"rule": type(self.rule).__name__, "hyperparameters": _recorded_hyperparameters(self.rule)}
+        return torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
 
     def set_extra_state(self, state):
         """Nothing to set: ``_load_from_state_dict`` has checked the record against the
@@ -279,32 +289,46 @@ class ForgeLinear(nn.Linear):
         return "/".join(sorted(names.get(d, str(d)) for d in dtypes))
 
     def _checkpoint_mismatch(self, state_dict, prefix):
-        """Why this layer's entries in ``state_dict`` are not state of its own format, slots
-        and rule, or None. A checkpoint with none of the layer's fused entries is not
-        checked (a plain nn.Linear's weights loaded with strict=False)."""
+        """Why this layer's entries in ``state_dict`` are not state of its own format, slots,
+        rule and hyperparameters (the learning rate aside), or None. A checkpoint with none
+        of the layer's fused entries is not checked (a plain nn.Linear's weights loaded with
+        strict=False)."""
         own = {key[len(prefix):]: value for key, value in state_dict.items()
                if key.startswith(prefix) and "." not in key[len(prefix):]}
         if not any(key.startswith("forge_") or key == _EXTRA_STATE_KEY for key in own):
             return None
         found_state = {key[len(_STATE_PREFIX):]: value for key, value in own.items() if key.startswith(_STATE_PREFIX)}
         rule = type(self.rule).__name__
-        found_rule = None  # a checkpoint from before the rule was recorded
-        if _EXTRA_STATE_KEY in own:
-            try:
-                found_rule = json.loads(bytes(own[_EXTRA_STATE_KEY].tolist()).decode())["rule"]
-            except (AttributeError, TypeError, ValueError, KeyError):
-                found_rule = f"an unreadable rule record ({own[_EXTRA_STATE_KEY]!r:.60})"
+        record = _read_record(own[_EXTRA_STATE_KEY]) if _EXTRA_STATE_KEY in own else {}
+        found_rule = record.get("rule") if isinstance(record, dict) else record  # None: not recorded
+        where = f"fused layer {self.forge_name!r} (checkpoint entries {prefix}*)"
         expected = (self._state_format_of(self.forge_state), set(self._state_keys))
         found = (self._state_format_of(found_state), set(found_state))
-        if found == expected and found_rule in (rule, None):
+        if found != expected or found_rule not in (rule, None):
+            found_rule = found_rule or "an unrecorded rule"
+            found_slots, slots = ({key for key in keys if not key.endswith(q8.EXPONENT_SUFFIX)}
+                                  for keys in (found[1], expected[1]))
+            slots = "" if found_slots == slots else f" with slots {sorted(found_slots)}, where it keeps {sorted(slots)}"
+            return (f"{where}: expected {expected[0]} state of {rule}, found {found[0]} state of {found_rule}{slots}; "
+                    "refused, the layer is left as it was (load a checkpoint of its own state format and rule, or "
+                    "fuse with the checkpoint's)")
+        ours = _recorded_hyperparameters(self.rule)
+        layer = f"model.get_submodule({prefix[:-1]!r})" if prefix else "layer"
+        vouch = (f"checkpoint[{prefix + _EXTRA_STATE_KEY!r}] = {layer}.get_extra_state(). The learning rate is "
+                 "not recorded: a scheduler, or fk.Trainer's optimizer, sets it")
+        if "hyperparameters" not in record:
+            return (f"{where}: the checkpoint records no hyperparameters of its rule (it was written before they "
+                    f"were recorded), so they cannot be checked against the layer's {rule}({_shown(ours)}); "
+                    "refused, the layer is left as it was. If it was written with these hyperparameters, give it "
+                    f"the layer's record: {vouch}")
+        theirs = record["hyperparameters"]
+        if theirs == ours:
             return None
-        found_rule = found_rule or "an unrecorded rule"
-        found_slots, slots = ({key for key in keys if not key.endswith(q8.EXPONENT_SUFFIX)}
-                              for keys in (found[1], expected[1]))
-        slots = "" if found_slots == slots else f" with slots {sorted(found_slots)}, where it keeps {sorted(slots)}"
-        return (f"fused layer {self.forge_name!r} (checkpoint entries {prefix}*): expected {expected[0]} state of "
-                f"{rule}, found {found[0]} state of {found_rule}{slots}; refused, the layer is left as it was "
-                "(load a checkpoint of its own state format and rule, or fuse with the checkpoint's)")
+        names = [name for name in {**ours, **theirs} if ours.get(name, _ABSENT) != theirs.get(name, _ABSENT)]
+        return (f"{where}: its {rule} has {_shown(ours, names)} where the checkpoint's has "
+                f"{_shown(theirs, names)}; refused, the layer is left as it was. Fuse with the checkpoint's "
+                "hyperparameters or set them on the rule; to go on with the layer's on purpose, give the checkpoint "
+                f"the layer's record: {vouch}")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -319,8 +343,6 @@ class ForgeLinear(nn.Linear):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if prefix + _EXTRA_STATE_KEY in missing_keys:
-            missing_keys.remove(prefix + _EXTRA_STATE_KEY)  # a checkpoint from before the rule was recorded
         if prefix + "forge_step" in state_dict:
             # The loaded state replaces whatever an unchecked or failed step left behind.
             self._unchecked = None
@@ -474,6 +496,52 @@ class ForgeLinear(nn.Linear):
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rule={self.rule!r}, oracle={self.oracle}"
+
+
+_ABSENT = object()  # a hyperparameter one side does not record
+
+
+def _recorded_hyperparameters(rule) -> dict:
+    """``rule``'s hyperparameters as a checkpoint records them (as JSON reads them back:
+    numbers as floats, pairs as lists), all but ``lr``, which schedulers own: a resumed
+    run's scheduler or ``fk.Trainer``'s optimizer sets it."""
+    return {name: _plain(value) for name, value in rule.hyperparameters().items() if name != "lr"}
+
+
+def _plain(value):
+    """A hyperparameter as JSON keeps it: bools and strings as they are, other numbers as
+    floats (momentum=0 is momentum=0.0), sequences as lists, anything else by its repr."""
+    if isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, Real):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    return repr(value)
+
+
+def _read_record(tensor):
+    """The rule record in a checkpoint's ``_extra_state`` as a dict with a ``"rule"``
+    name, or a description of what was found instead."""
+    try:
+        record = json.loads(bytes(tensor.tolist()).decode())
+    except (AttributeError, TypeError, ValueError):
+        record = None
+    if isinstance(record, dict) and isinstance(record.get("rule"), str) and \
+            isinstance(record.get("hyperparameters", {}), dict):
+        return record
+    return f"an unreadable rule record ({tensor!r:.60})"
+
+
+def _shown(hyperparameters: dict, names=None) -> str:
+    """``name=value, ...`` for ``names`` (default: all), lists shown as the tuples they were."""
+    names = list(hyperparameters) if names is None else names
+    return ", ".join(f"{name}={_as_given(hyperparameters[name])!r}" if name in hyperparameters else f"no {name}"
+                     for name in names)
+
+
+def _as_given(value):
+    return tuple(_as_given(item) for item in value) if isinstance(value, list) else value
 
 
 def _reword(error: BaseException, before: str, after: str) -> None:

@@ -297,21 +297,61 @@ def test_checkpoint_of_another_state_format_or_rule_is_refused(layer, checkpoint
         assert_bitwise_equal(value, before[name], name)
 
 
-def test_checkpoint_records_the_rule_and_a_checkpoint_without_it_still_loads(device):
-    """The rule's class name is the checkpoint's `_extra_state` (a uint8 tensor); one
-    written before it was recorded loads bit for bit into a layer of its format, and is
-    refused by its tensors' format elsewhere."""
-    source = _trained(device, fk.AdamW(lr=1e-2), "bf16")
+def test_checkpoint_records_the_rule_and_its_hyperparameters_but_not_the_learning_rate(device):
+    """`_extra_state` (a uint8 tensor) holds the rule's class and hyperparameters as JSON;
+    the learning rate is left out: a scheduler (or fk.Trainer's optimizer) owns it, so a
+    checkpoint loads into a layer whose rule has another lr, bit for bit."""
+    source = _trained(device, fk.AdamW(lr=1e-2, betas=(0.8, 0.99), eps=1e-6), "bf16")
     checkpoint = source.state_dict()
-    assert json.loads(bytes(checkpoint["0._extra_state"].tolist())) == {"rule": "AdamW"}
+    assert json.loads(bytes(checkpoint["0._extra_state"].tolist())) == {
+        "rule": "AdamW", "hyperparameters": {"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
+    target = fk.fuse(_mlp(1, device), fk.AdamW(lr=0.5, betas=(0.8, 0.99), eps=1e-6), state_format="bf16")
+    target.load_state_dict(checkpoint)
+    for name, value in target.state_dict().items():
+        assert_bitwise_equal(value, checkpoint[name], name)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+def test_checkpoint_of_other_hyperparameters_is_refused_naming_them(strict, device):
+    """A layer would otherwise resume another rule's state with its own betas, eps and
+    decay in silence (the state's format and slots are the same)."""
+    source = _trained(device, fk.AdamW(lr=0.1, betas=(0.9, 0.999), weight_decay=0.1), "fp32")
+    target = _trained(device, fk.AdamW(lr=0.1, betas=(0.5, 0.6), eps=1e-3, weight_decay=0.0), "fp32")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    expected = (r"fused layer '0' \(checkpoint entries 0\.\*\): its AdamW has betas=\(0.5, 0.6\), eps=0.001, "
+                r"weight_decay=0.0 where the checkpoint's has betas=\(0.9, 0.999\), eps=1e-08, weight_decay=0.1; "
+                r"refused, the layer is left as it was\. .*checkpoint\['0._extra_state'\] = "
+                r"model.get_submodule\('0'\).get_extra_state\(\)\. The learning rate is not recorded")
+    with pytest.raises(RuntimeError, match=expected) as info:
+        target.load_state_dict(source.state_dict(), strict=strict)
+    assert "fused layer '2'" in str(info.value)
+    for name, value in target.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+
+
+@pytest.mark.parametrize("record", [None, {"rule": "AdamW"}], ids=["no_record", "class_only"])
+def test_checkpoint_without_hyperparameters_is_refused_until_given_the_layers_record(record, device):
+    """A checkpoint written before the hyperparameters were recorded cannot be checked, so
+    it is refused; the error says how to vouch for it (the layer's own record), after which
+    it loads bit for bit. Its format is still checked first."""
+    checkpoint = _trained(device, fk.AdamW(lr=1e-2), "bf16").state_dict()
     old = {k: v.clone() for k, v in checkpoint.items() if not k.endswith("._extra_state")}
+    if record is not None:
+        for key in ("0._extra_state", "2._extra_state"):
+            old[key] = torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
     target = fk.fuse(_mlp(1, device), fk.AdamW(lr=1e-2), state_format="bf16")
-    target.load_state_dict(old)  # strict: the missing record is not a missing key
-    loaded = target.state_dict()
-    for name, value in old.items():
-        assert_bitwise_equal(loaded[name], value, name)
-    with pytest.raises(RuntimeError, match="expected fp32 state of AdamW, found bf16 state of an unrecorded rule"):
+    with pytest.raises(RuntimeError, match=r"fused layer '0' \(checkpoint entries 0\.\*\): the checkpoint records "
+                                           r"no hyperparameters of its rule .*checkpoint\['0._extra_state'\] = "
+                                           r"model.get_submodule\('0'\).get_extra_state\(\)"):
+        target.load_state_dict(old)
+    found = "an unrecorded rule" if record is None else "AdamW"
+    with pytest.raises(RuntimeError, match=f"expected fp32 state of AdamW, found bf16 state of {found}"):
         fk.fuse(_mlp(1, device), fk.AdamW(lr=1e-2)).load_state_dict(old)
+    target.load_state_dict({**old, **{f"{name}._extra_state": target.get_submodule(name).get_extra_state()
+                                      for name in ("0", "2")}})
+    loaded = target.state_dict()
+    for name, value in checkpoint.items():
+        assert_bitwise_equal(loaded[name], value, name)
 
 
 def test_checkpoint_with_other_slots_is_refused_even_when_not_strict(device):
