@@ -287,18 +287,22 @@ def _gradient_bound(module, name, x, dy, backend):
         return accumulation_rtol(backend, torch.float32, tokens) * (dy2.abs().T @ x2.abs()) + tokens * FP32_UNDERFLOW
     if isinstance(module, nn.LayerNorm):
         return chunkft.norm_weight_grad_bound(x, dy, "layer_norm", module.eps, u)
-    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-    return chunkft.norm_weight_grad_bound(x, dy, "rms_norm", eps, u)
+    return chunkft.norm_weight_grad_bound(x, dy, "rms_norm", sliced.rms_norm_eps(module.eps, x.dtype), u)
 
 
-@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(12), lambda: nn.LayerNorm(12, bias=False),
-                                  lambda: nn.RMSNorm(12), lambda: nn.RMSNorm(12, eps=1e-3),
-                                  lambda: nn.Linear(5, 12)], ids=["ln", "ln-nobias", "rms", "rms-eps", "linear"])
-def test_norm_and_bias_steps_follow_autograds_gradient(make, device, backend):
+@pytest.mark.parametrize("make, input_dtype", [
+    (lambda: nn.LayerNorm(12), torch.float32), (lambda: nn.LayerNorm(12, bias=False), torch.float32),
+    (lambda: nn.RMSNorm(12), torch.float32), (lambda: nn.RMSNorm(12, eps=1e-3), torch.float32),
+    (lambda: nn.RMSNorm(12), torch.bfloat16), (lambda: nn.Linear(5, 12), torch.float32)],
+    ids=["ln", "ln-nobias", "rms", "rms-eps", "rms-bf16-input", "linear"])
+# A bf16 input into the fp32 weight takes torch's unfused rms_norm, which warns (as for the plain module).
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_norm_and_bias_steps_follow_autograds_gradient(make, input_dtype, device, backend):
     """Model level: an SGD step of each norm (and a Linear's bias) moves its parameters by
     lr times autograd's gradient, element by element within both gradients' rounding
     bounds and the step's (proofs/chunkft.md §8; a norm stepped with another norm's
-    mathematics, the anchor's RMSNorm defect, is off by its whole gradient)."""
+    mathematics, the anchor's RMSNorm defect, is off by its whole gradient, and so is
+    nn.RMSNorm's default ε taken as the bf16 input's machine epsilon, not torch's float32 one)."""
     torch.manual_seed(2)
     module, plain = make(), make()
     with torch.no_grad():
@@ -306,19 +310,37 @@ def test_norm_and_bias_steps_follow_autograds_gradient(make, device, backend):
             p.add_(torch.randn_like(p) * 0.3)
     plain.load_state_dict(module.state_dict())
     module, plain = module.to(device), plain.to(device)
-    x = (torch.randn(4, 3, module.weight.shape[1] if isinstance(module, nn.Linear) else 12) * 2 + 0.5).to(device)
+    width = module.weight.shape[1] if isinstance(module, nn.Linear) else 12
+    x = (torch.randn(4, 3, width) * 2 + 0.5).to(device, input_dtype)
     dy = torch.randn(4, 3, 12).to(device)
     lr = 0.25
     ctl = fk.ChunkFT(_Wrap(module), fk.SGD(lr=lr), chunks=1)
     ctl.step(lambda: (module(x) * dy).sum())
-    (plain(x) * dy).sum().backward()
+    out = plain(x)
+    (out * dy).sum().backward()
+    dy_seen = dy.to(out.dtype)  # a bf16 output receives dy rounded to bf16
     for (name, p), q in zip(module.named_parameters(), plain.parameters()):
         step = (q.detach().double() - p.detach().double()) / lr
-        grad_bound = _gradient_bound(module, name, x, dy, backend).to(step.device)
+        grad_bound = _gradient_bound(module, name, x, dy_seen, backend).to(step.device)
         autograd = q.grad.double()
         bound = 2 * grad_bound + chunkft.sgd_step_bound(q.detach(), lr, autograd.abs() + 2 * grad_bound,
                                                        UNIT_ROUNDOFF[torch.float32])
         assert bool(((step - autograd).abs() <= bound).all()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_rms_norm_default_eps_is_torchs_for_every_input_dtype(dtype):
+    """nn.RMSNorm(eps=None) takes the machine epsilon of the dtype rms_norm computes in:
+    float32 for float16 and bfloat16 inputs, not theirs (the control: their own epsilon
+    gives other bits)."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(8, 16, generator=gen, dtype=torch.float64) * 0.01).to(dtype)  # mean(x²) near ε
+    weight = torch.randn(16, generator=gen, dtype=torch.float64).to(dtype)
+    default = F.rms_norm(x, (16,), weight)
+    assert torch.equal(default, F.rms_norm(x, (16,), weight, sliced.rms_norm_eps(None, dtype)))
+    assert sliced.rms_norm_eps(1e-3, dtype) == 1e-3
+    if dtype in (torch.float16, torch.bfloat16):
+        assert not torch.equal(default, F.rms_norm(x, (16,), weight, torch.finfo(dtype).eps))
 
 
 @pytest.mark.parametrize("state_format", ["fp32", "q8"])

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 import forge_kernels as fk
+from forge_kernels.chunkft import sliced
 from forge_verify.checks import chunkft
 from forge_verify.checks.problems import Regime
 from forge_verify.numerics.bits import int_view
+from forge_verify.numerics.tolerances import UNIT_ROUNDOFF
 
 
 def _autocast(device):
@@ -68,6 +70,36 @@ def test_forward_and_input_gradient_are_autocasts(split, device):
     assert torch.equal(int_view(seen[0]), int_view(out))
     assert x_chunked.grad.dtype == torch.float32
     assert torch.equal(int_view(x_chunked.grad), int_view(x_plain.grad))
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_step_follows_autograds_gradient_under_autocast(device):
+    """nn.RMSNorm(eps=None) behind an autocast Linear gets its bf16 output: torch's default
+    ε is then float32's machine epsilon (what rms_norm computes in), not bf16's. An SGD
+    step of the norm's fp32 weight moves it by lr × autograd's gradient, within both
+    gradients' rounding bounds and the step's (proofs/chunkft.md §8)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16)).to(device)
+    chunked = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16)).to(device)
+    chunked.load_state_dict(plain.state_dict())
+    chunked[0].requires_grad_(False)  # the norm alone, whole: one chunk
+    x = (torch.randn(8, 16) * 0.05).to(device)  # mean(x²) near bf16's ε: the default ε matters
+    dy = torch.randn(8, 16).to(device)
+    lr = 0.25
+    ctl = fk.ChunkFT(chunked, fk.SGD(lr=lr), chunks=1)
+    with _autocast(device):
+        ctl.step(lambda: (chunked(x).float() * dy).sum())
+        hidden = plain[0](x)
+        out = plain[1](hidden)
+        (out.float() * dy).sum().backward()
+    weight = plain[1].weight.detach()
+    moved = (weight.double() - chunked[1].weight.detach().double()) / lr
+    autograd = plain[1].weight.grad.double()
+    u = UNIT_ROUNDOFF[torch.float32]
+    grad_bound = chunkft.norm_weight_grad_bound(hidden.detach(), dy.to(out.dtype), "rms_norm",
+                                                sliced.rms_norm_eps(None, hidden.dtype), u).to(moved.device)
+    bound = 2 * grad_bound + chunkft.sgd_step_bound(weight, lr, autograd.abs() + 2 * grad_bound, u)
+    assert bool(((moved - autograd).abs() <= bound).all())
 
 
 # The fp32 cases are slow only for time: the bf16-stochastic one also checks the rounding keys.

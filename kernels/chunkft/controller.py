@@ -382,7 +382,8 @@ class ChunkFT(torch.optim.Optimizer):
                 x, dy32, s, e, "llama_rms_norm", module.variance_epsilon))
             return
         kind = "layer_norm" if isinstance(module, nn.LayerNorm) else "rms_norm"
-        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        # ε from the input's dtype before the float32 copy: torch's default depends on it.
+        eps = module.eps if kind == "layer_norm" else sliced.rms_norm_eps(module.eps, x.dtype)
         x32 = x.float()
         self._vector_step(module, "weight", lambda s, e: sliced.norm_weight_grad(x32, dy32, s, e, kind, eps))
         self._vector_step(module, "bias", lambda s, e: sliced.bias_grad(dy32, s, e))

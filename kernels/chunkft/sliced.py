@@ -48,9 +48,19 @@ def llama_rms_norm(x, weight, eps):
     return weight * _llama_normalized(x, eps)
 
 
+def rms_norm_eps(eps, dtype):
+    """nn.RMSNorm's ε for an input of ``dtype``: ``eps``, or when it is None torch's
+    default, the machine epsilon of the dtype rms_norm computes in: float32 for float16
+    and bfloat16 inputs, the input's own for float32 and float64 (torch's
+    ``_fused_rms_norm`` decomposition; tests/test_chunkft.py checks it bitwise)."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
 def normalized_input(x, kind, eps):
     """x̂ over the last dim: (x − mean)·rstd for "layer_norm", x·rstd for "rms_norm"
-    (torch's default eps for RMSNorm, the dtype's machine epsilon, when ``eps`` is None),
+    (torch's default ε for x's dtype when ``eps`` is None: ``rms_norm_eps``),
     LlamaRMSNorm's x̂ (float32 statistics, rounded to x's dtype) for "llama_rms_norm"."""
     if kind == "llama_rms_norm":
         return _llama_normalized(x, eps)
@@ -59,9 +69,7 @@ def normalized_input(x, kind, eps):
         centered = x - mean
         variance = (centered * centered).mean(-1, keepdim=True)
         return centered * torch.rsqrt(variance + eps)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + rms_norm_eps(eps, x.dtype))
 
 
 def norm_weight_grad(x, dy, start, stop, kind, eps):
