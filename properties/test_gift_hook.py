@@ -10,6 +10,8 @@ of the mean of what the ranks sent, equal on every rank; it receives 2 (n − 1)
 code bytes; its two residuals together lose nothing; a sum that overflows is refused on
 every rank."""
 
+import math
+
 import pytest
 import torch
 
@@ -106,6 +108,12 @@ def test_state_refuses_what_it_cannot_do():
         arguments = {"process_group": None, "fmt": "e4m3", "layers": [layer], **kwargs}
         with pytest.raises(ValueError):
             fk.gift.GiftState(**arguments)
+    # at construction, not at the first refresh inside DDP's backward (where NaN damping made
+    # NaN factors and the error blamed the gradient)
+    for kwargs in ({"rank": 32.0}, {"rank": -1}, {"rank": True}, {"damping": -1.0}, {"damping": math.nan},
+                   {"damping": math.inf}, {"damping": "1e-3"}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be"):
+            fk.gift.GiftState(None, "e4m3", layers=[layer], **kwargs)
     with pytest.raises(TypeError):
         fk.gift.GiftState(None, "e4m3", layers=[torch.nn.Conv1d(4, 4, 1)])
 

@@ -75,6 +75,9 @@ def test_from_covariance_refuses_what_it_cannot_invert():
     rank_one[0, 0] = 1.0
     with pytest.raises(ValueError):
         Whitening.from_covariance(rank_one, rank=1, damping=0.0)  # the rest is 0 and undamped
+    for rank, damping in ((4.0, 1e-3), (-1, 1e-3), (True, 1e-3), (4, math.nan), (4, -1e-3), (4, math.inf)):
+        with pytest.raises(ValueError, match="rank must be|damping must be"):  # NaN damping made NaN factors
+            Whitening.from_covariance(torch.eye(8), rank, damping)
 
 
 # The gain (proofs/gift.md, "Where the gain comes from"): the wire error is roughly

@@ -69,7 +69,7 @@ from ..errors import NonFiniteInputError
 from .codecs import CODECS
 from .selection import RangeHitSelection
 from .shards import ShardLayout
-from .whitening import CovarianceTracker, Whitening, agreed_whitening
+from .whitening import CovarianceTracker, Whitening, agreed_whitening, check_rank_and_damping
 
 WIRE_FORMATS = ("e4m3", "e5m2", "nvfp4", "fp32")
 EXCHANGES = ("reduce_scatter", "all_gather")
@@ -123,6 +123,7 @@ class GiftState:
             raise ValueError(f"scaling {scaling!r} is not available for {fmt!r}")
         if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
             raise ValueError(f"refresh_every must be a positive integer, got {refresh_every!r}")
+        check_rank_and_damping(rank, damping)  # here, not in DDP's backward at the first refresh
         self.process_group = process_group
         self.fmt, self.rank, self.refresh_every, self.damping = fmt, rank, refresh_every, damping
         self.unselected, self.error_feedback, self.transform = unselected, error_feedback, transform

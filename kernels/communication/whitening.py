@@ -23,6 +23,8 @@ the group's first rank, broadcast).
 
 import contextlib
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,17 @@ def full_precision(device_type: str):
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def check_rank_and_damping(rank, damping) -> None:
+    """Refuse a transform ``rank`` that is not an integer ≥ 0 (0 keeps no eigenvector: T is
+    σ^{-1} I) or a ``damping`` that is not a finite number ≥ 0 (NaN would pass a plain
+    ``< 0`` and make every factor NaN)."""
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
+        raise ValueError(f"rank must be an integer >= 0 (0: T = I / sigma), got {rank!r}")
+    if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not math.isfinite(damping) \
+            or damping < 0:
+        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
 
 
 @dataclass
@@ -69,8 +82,7 @@ class Whitening:
             raise ValueError(f"A must be square, got shape {tuple(A.shape)}")
         if not bool(torch.isfinite(A).all()):
             raise ValueError("A holds a NaN or an infinity")
-        if damping < 0 or rank < 0:
-            raise ValueError(f"rank and damping must be non-negative, got {rank}, {damping}")
+        check_rank_and_damping(rank, damping)
         K = A.shape[0]
         r = min(rank, K)
         A64 = A.detach().to(torch.float64)
