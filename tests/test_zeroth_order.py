@@ -284,6 +284,33 @@ def test_load_state_dict_refuses_another_model_or_method():
         opt.load_state_dict(fk.GRZO(nn.Linear(2, 2).double(), lr=0.1).state_dict())
 
 
+def _optimizer_of(method, model, seed=1):
+    return fk.GRZO(model, lr=0.1, seed=seed) if method == "GRZO" else fk.MeZO(model, lr=0.1, seed=seed)
+
+
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_refused_state_changes_nothing(method):
+    """A state with another seed, a later counter and a negative lr: refused for the lr,
+    and the seed and counter are not half-loaded before the refusal."""
+    opt = _optimizer_of(method, nn.Linear(3, 2))
+    before = opt.state_dict()
+    bad = {**_optimizer_of(method, nn.Linear(3, 2), seed=99).state_dict(), "call": 5, "lr": -1.0}
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.load_state_dict(bad)
+    assert opt.state_dict() == before
+
+
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_state_missing_keys_is_refused_naming_them(method):
+    opt = _optimizer_of(method, nn.Linear(3, 2))
+    state = opt.state_dict()
+    del state["eps"], state["call"]
+    with pytest.raises(ValueError, match=r"the state lacks \['call', 'eps'\]"):
+        _optimizer_of(method, nn.Linear(3, 2)).load_state_dict(state)
+    with pytest.raises(TypeError, match=r"the dict state_dict\(\) returns"):
+        opt.load_state_dict([("seed", 1)])
+
+
 # --- bad input: nothing written -------------------------------------------------------
 
 def _snapshot(model):

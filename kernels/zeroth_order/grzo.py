@@ -65,6 +65,24 @@ def _check_block_elements(value):
     return value
 
 
+def check_call(call):
+    if isinstance(call, bool) or not isinstance(call, int) or call < 0:
+        raise ValueError(f"call must be a non-negative integer, got {call!r}")
+    return call
+
+
+def check_state(state, method: str, keys) -> None:
+    """Refuse a state that is not a dict of ``method`` with every key in ``keys``, naming
+    what is wrong, before anything of it is used."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{method}: a state is the dict state_dict() returns, got {type(state).__name__}")
+    if state.get("method") != method:
+        raise ValueError(f"a {state.get('method')} state cannot be loaded into {method}")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{method}: the state lacks {missing}; nothing was loaded")
+
+
 def per_example_losses(value, what="the closure") -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
         raise TypeError(f"{what} must return the B per-example losses as a 1-D floating tensor, got "
@@ -307,21 +325,20 @@ class GRZO:
                 "weight_decay": self.weight_decay, "parameters": [t.name for t in self.targets]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the same draws follow, so a resumed run is bitwise the uninterrupted one."""
-        if state.get("method") != self.method:
-            raise ValueError(f"a {state.get('method')} state cannot be loaded into {self.method}")
+        """Resume: the same draws follow, so a resumed run is bitwise the uninterrupted one.
+        Every value is checked before any is assigned: a refused state changes nothing."""
+        check_state(state, self.method, ("seed", "call", "lr", "sigma", "normalize", "eps", "weight_decay",
+                                         "parameters"))
         names = [t.name for t in self.targets]
         if state["parameters"] != names:
             raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
         if state["normalize"] not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}")
-        self.seed = check_seed(state["seed"])
-        self.lr = _check_nonnegative("lr", state["lr"])
-        self.sigma = _check_nonnegative("sigma", state["sigma"], positive=True)
-        self.eps = _check_nonnegative("eps", state["eps"])
-        self.weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
-        self.normalize = state["normalize"]
-        call = state["call"]
-        if isinstance(call, bool) or not isinstance(call, int) or call < 0:
-            raise ValueError(f"call must be a non-negative integer, got {call!r}")
-        self.call = call
+        seed = check_seed(state["seed"])
+        lr = _check_nonnegative("lr", state["lr"])
+        sigma = _check_nonnegative("sigma", state["sigma"], positive=True)
+        eps = _check_nonnegative("eps", state["eps"])
+        weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
+        call = check_call(state["call"])
+        self.seed, self.call, self.lr, self.sigma, self.eps = seed, call, lr, sigma, eps
+        self.weight_decay, self.normalize = weight_decay, state["normalize"]

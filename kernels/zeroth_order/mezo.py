@@ -28,7 +28,8 @@ from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import draw_kernel, mezo_kernel
 from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
-from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, unmoved_message
+from .grzo import (BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, check_call, check_state,
+                   unmoved_message)
 from .targets import SUPPORTED_DTYPES, check_shards
 
 
@@ -250,16 +251,15 @@ class MeZO:
                 "weight_decay": self.weight_decay, "parameters": [n for n, _ in self.params]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("method") != self.method:
-            raise ValueError(f"a {state.get('method')} state cannot be loaded into {self.method}")
+        """Resume (as ``GRZO.load_state_dict``): every value is checked before any is
+        assigned, so a refused state changes nothing."""
+        check_state(state, self.method, ("seed", "call", "lr", "eps", "weight_decay", "parameters"))
         names = [n for n, _ in self.params]
         if state["parameters"] != names:
             raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
-        self.seed = check_seed(state["seed"])
-        self.lr = _check_nonnegative("lr", state["lr"])
-        self.eps = _check_nonnegative("eps", state["eps"], positive=True)
-        self.weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
-        call = state["call"]
-        if isinstance(call, bool) or not isinstance(call, int) or call < 0:
-            raise ValueError(f"call must be a non-negative integer, got {call!r}")
-        self.call = call
+        seed = check_seed(state["seed"])
+        lr = _check_nonnegative("lr", state["lr"])
+        eps = _check_nonnegative("eps", state["eps"], positive=True)
+        weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
+        call = check_call(state["call"])
+        self.seed, self.call, self.lr, self.eps, self.weight_decay = seed, call, lr, eps, weight_decay
