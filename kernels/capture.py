@@ -111,10 +111,10 @@ from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.gradient_norm import norm_from_square_sums
 from .ops.step_scalars import StepScalarsGroup
-from .training import (CLIPPING, NORMS, PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _layer_norm,
-                       check_max_norm, check_unfused_optimizer, clip_coefficient, clip_scale, layer_square_sums,
-                       non_finite_norm_error, rng_rewinder, scale_unfused_gradients, set_aside_clipped_gradients,
-                       total_norm)
+from .training import (PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _layer_norm, check_clipping_mode,
+                       check_max_norm, check_norm, check_unfused_optimizer, clip_coefficient, clip_scale,
+                       layer_square_sums, non_finite_norm_error, rng_rewinder, scale_unfused_gradients,
+                       set_aside_clipped_gradients, total_norm)
 
 CHECKS = ("every step", "manual")
 
@@ -126,30 +126,18 @@ def _detached(value):
 
 def _check_clipping(max_norm, clipping):
     check_max_norm(max_norm)
-    if clipping not in (None, *CLIPPING):
-        raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+    check_clipping_mode(clipping, max_norm, default=None)
     if clipping == "exact":
         raise ValueError("clipping='exact' cannot be captured: it runs step_fn's forward and backward twice per step "
                          "(the first pass only for the global norm) with the torch RNG rewound between them, and a "
                          "CapturedStep records one pass of step_fn. Capture with clipping='previous-norm' "
                          "(APPROXIMATE: step t scaled by step t-1's norm, one pass), or clip exactly uncaptured with "
                          "fk.Trainer(model, optimizer, max_norm=...)")
-    if max_norm is None and clipping is not None:
-        raise ValueError(f"clipping={clipping!r} says how max_norm clips; without max_norm nothing clips: set "
-                         "max_norm, or leave clipping unset")
     if max_norm is not None and clipping is None:
         raise ValueError("a captured step clips by the previous step's global norm, which is APPROXIMATE (a gradient "
                          "spike passes unclipped on its step; see fk.Trainer's clipping='previous-norm'): pass "
                          "clipping='previous-norm' to accept it, or train uncaptured with fk.Trainer for exact "
                          "clipping")
-
-
-def _check_norm(norm, max_norm):
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if norm != "gradient" and max_norm is None:
-        raise ValueError("norm='tiles' says how clipping takes the layers' norms; without max_norm nothing clips: "
-                         "set max_norm, or leave norm at its default")
 
 
 def _check_last_norm(last_norm, max_norm):
@@ -202,7 +190,7 @@ class CapturedStep:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an integer >= 1 (eager steps before capture), got {warmup!r}")
         _check_clipping(max_norm, clipping)
-        _check_norm(norm, max_norm)
+        check_norm(norm, max_norm)
         _check_last_norm(last_norm, max_norm)
         layers = [m for m in model.modules() if isinstance(m, ForgeLinear)]
         if not layers:

@@ -85,6 +85,26 @@ def check_max_norm(max_norm) -> None:
         raise ValueError(f"max_norm must be a finite number > 0 (or None for no clipping), got {max_norm!r}")
 
 
+def check_clipping_mode(clipping, max_norm, default) -> None:
+    """``clipping`` says how ``max_norm`` clips (the Trainer's and the CapturedStep's check):
+    one named without ``max_norm`` would clip nothing, and is refused."""
+    if clipping not in (default, *CLIPPING):
+        raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+    if max_norm is None and clipping != default:
+        raise ValueError(f"clipping={clipping!r} says how max_norm clips; without max_norm nothing clips: set "
+                         f"max_norm, or leave clipping at its default ({default!r})")
+
+
+def check_norm(norm, max_norm) -> None:
+    """``norm`` says how clipping takes the fused layers' norms (the Trainer's and the
+    CapturedStep's check): ``"tiles"`` without ``max_norm`` would change nothing, and is refused."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm != "gradient" and max_norm is None:
+        raise ValueError("norm='tiles' says how clipping takes the layers' norms; without max_norm nothing clips: "
+                         "set max_norm, or leave norm at its default")
+
+
 def non_finite_norm_error(norm: float, stepped: str) -> FloatingPointError:
     return FloatingPointError(f"the global gradient norm is {norm}; {stepped}")
 
@@ -294,16 +314,11 @@ class Trainer:
                  norm="gradient"):
         if gradients not in GRADIENTS:
             raise ValueError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
-        if clipping not in CLIPPING:
-            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
-        if norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        check_clipping_mode(clipping, max_norm, default="exact")
+        check_norm(norm, max_norm)
         if norm != "gradient" and gradients != "fused":
             raise ValueError("norm='tiles' takes the norm without the gradient, on the fused path; "
                              "gradients='materialized' stores every gradient and clips by clip_grad_norm_")
-        if norm != "gradient" and max_norm is None:
-            raise ValueError("norm='tiles' says how clipping takes the layers' norms; without max_norm nothing "
-                             "clips: set max_norm, or leave norm at its default")
         if clipping != "exact" and gradients != "fused":
             raise ValueError("gradients='materialized' clips exactly in one pass; clipping='previous-norm' is for "
                              "the fused path")

@@ -201,6 +201,19 @@ def test_tile_norms_need_the_fused_path(device):
         fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model)), norm="tiles")
 
 
+def test_clipping_mode_without_max_norm_is_refused(device):
+    """clipping='previous-norm' without max_norm would clip nothing: refused with the
+    CapturedStep's message (one check), as norm='tiles' is; the default mode needs no max_norm."""
+    model = fk.fuse(_gpt(device), fk.AdamW())
+    optimizer = torch.optim.AdamW(fk.unfused_parameters(model))
+    with pytest.raises(ValueError, match="clipping='previous-norm' says how max_norm clips; without max_norm nothing "
+                                         "clips: set max_norm, or leave clipping at its default"):
+        fk.Trainer(model, optimizer, clipping="previous-norm")
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        fk.Trainer(model, optimizer, clipping=None)
+    assert fk.Trainer(model, optimizer, clipping="exact").max_norm is None
+
+
 @pytest.mark.exactness
 def test_previous_norm_clipping_scales_by_the_previous_steps_factor(device):
     """The approximate mode is exactly what it says: step 1 clipped exactly, step t by the
