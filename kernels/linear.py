@@ -150,12 +150,24 @@ class ForgeLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_forge(rule, oracle, config, state_format, rounding, seed, weight_slice=weight_slice,
                          report=report)
+        self._hook_weight()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, state_format="fp32",
                     rounding=None, seed=0, name=None, weight_slice=None, report="raise"):
         """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy) and
         its module hooks (e.g. the input/output layout hooks of ``parallelize_module``)."""
+        layer = cls._unhooked_from_linear(linear, rule, oracle=oracle, config=config, state_format=state_format,
+                                          rounding=rounding, seed=seed, name=name, weight_slice=weight_slice,
+                                          report=report)
+        layer._hook_weight()
+        return layer
+
+    @classmethod
+    def _unhooked_from_linear(cls, linear: nn.Linear, rule, **options):
+        """``from_linear`` without the hook on the weight (``_hook_weight``): ``fuse`` adds
+        the hooks once every layer is built, so that a refused layer leaves none behind on
+        the model's weights."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
@@ -163,11 +175,11 @@ class ForgeLinear(nn.Linear):
         layer.bias = linear.bias
         for attr in _MODULE_HOOK_REGISTRIES:
             setattr(layer, attr, getattr(linear, attr))
-        layer._init_forge(rule, oracle, config, state_format, rounding, seed, name, weight_slice, report)
+        layer._init_forge(rule, **options)
         return layer
 
-    def _init_forge(self, rule, oracle, config, state_format, rounding, seed, name=None, weight_slice=None,
-                    report="raise"):
+    def _init_forge(self, rule, oracle=False, config=None, state_format="fp32", rounding=None, seed=0, name=None,
+                    weight_slice=None, report="raise"):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if config is not None and not isinstance(config, TileConfig):
@@ -194,9 +206,6 @@ class ForgeLinear(nn.Linear):
         self.forge_backward = None
         # The CapturedStep (forge_kernels.capture) whose graph takes this layer's steps, if any.
         self.forge_owner = None
-        # The fused path returns no weight gradient; any gradient that reaches the weight
-        # comes from a use outside this layer and would be a second, unfused step.
-        self.weight.register_hook(self._refuse_outside_gradient)
         # parallelize_module replaces the Parameter by a DTensor: one applied after fuse
         # leaves the state sized and placed for the whole weight.
         self._fused_on_dtensor = is_dtensor(self.weight)
@@ -210,6 +219,11 @@ class ForgeLinear(nn.Linear):
         # must draw the same bits.
         self.register_buffer("forge_seed", torch.tensor(check_seed(seed), dtype=torch.int64, device=weight.device))
         self._counters_read = (self._counter_sources(), 0, check_seed(seed))
+
+    def _hook_weight(self):
+        # The fused path returns no weight gradient; any gradient that reaches the weight
+        # comes from a use outside this layer and would be a second, unfused step.
+        self.weight.register_hook(self._refuse_outside_gradient)
 
     def _counter_sources(self) -> tuple:
         return self.forge_step, self.forge_step._version, self.forge_seed, self.forge_seed._version
@@ -619,10 +633,19 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     if not targets:
         raise ValueError(_nothing_to_fuse(model, exclude))
     check_seed(seed)
-    for index, (parent, child_name, qualified, linear) in enumerate(targets):
-        setattr(parent, child_name, ForgeLinear.from_linear(
-            linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
-            seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
+    layers = []
+    for index, (_, _, qualified, linear) in enumerate(targets):
+        try:
+            layers.append(ForgeLinear._unhooked_from_linear(
+                linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
+                seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
+        except (TypeError, ValueError) as error:
+            _reword(error, f"layer {qualified!r}: ", " (nothing was fused)")
+            raise
+    # Swapped in only once every layer is built: a refused layer leaves the model as it was.
+    for (parent, child_name, _, _), layer in zip(targets, layers):
+        layer._hook_weight()
+        setattr(parent, child_name, layer)
     return model
 
 

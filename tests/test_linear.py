@@ -173,6 +173,23 @@ def test_fp16_weight_is_refused(device):
         fk.fuse(_mlp(0, device).half(), fk.AdamW())
 
 
+def test_fuse_refusing_a_later_layer_fuses_nothing_and_names_it(device):
+    """Every layer is built (and checked) before any is swapped in: a refused second layer
+    used to leave the first fused, a retry then failing with "'0' is already fused", and
+    the built layer's refusal hook on the first weight."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8).half()).to(device)
+    with pytest.raises(TypeError, match=r"layer '2': fused layers keep float32 or bfloat16 weights; got "
+                                        r"torch.float16 \(nothing was fused\)"):
+        fk.fuse(model, fk.AdamW())
+    assert [type(m) for m in model] == [nn.Linear, nn.Tanh, nn.Linear]
+    model[2].float()
+    model(torch.randn(3, 8, device=device)).sum().backward()  # a plain model: its weights take .grad
+    assert model[0].weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    fk.fuse(model, fk.AdamW())
+    assert isinstance(model[0], fk.ForgeLinear) and isinstance(model[2], fk.ForgeLinear)
+
+
 @pytest.mark.exactness
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_bf16_model_fused_equals_oracle(rounding, device):
