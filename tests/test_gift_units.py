@@ -104,6 +104,12 @@ def test_range_hits_count_what_leaves_the_normal_range_under_current_scaling():
     # the range); 1e-44 · FLT_MAX = 3.4e-6 is below both formats' smallest normal
     tiny = torch.tensor([1e-37, -3e-38, 1e-44, 0.0])
     assert fk.gift.range_hits(tiny, "e4m3") == 1 and fk.gift.range_hits(tiny, "e5m2") == 1
+    # amax 2e-30: fl(448 / amax) · amax rounds to 448.00003, which still encodes as 448 (no hit;
+    # it was counted as one above the range)
+    inexact = torch.tensor([1e-30, 2e-30, 0.0])
+    assert float(inexact[1] * fk.gift.e4m3.scale_for(inexact[1])) > 448.0
+    assert fk.gift.e4m3.values(fk.gift.e4m3.quantize(inexact).codes)[1] == 448.0
+    assert fk.gift.range_hits(inexact, "e4m3") == 0 and fk.gift.range_hits(inexact, "e5m2") == 0
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "fp32"])

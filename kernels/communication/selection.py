@@ -5,12 +5,12 @@ first 100 steps), chosen identically on every rank.
 A *range hit* is an element of a gradient that plain per-tensor current scaling (scale =
 format max / the tensor's own amax, in fp32) pushes out of the format's normal range:
 nonzero with |fl(x · scale)| below the smallest normal value (it lands on a subnormal
-code or on zero, losing relative precision or all of it), or above the largest finite
-value (clamped). Current scaling maps the amax itself onto the largest value, so above it
-nothing lands but the rounding of the scale can allow: in practice the count is the
-underflow count, and it grows with the dynamic range of the tensor (measured for E4M3: a
-Gaussian 1000 × 1000 tensor has 1.3e-4 of its elements out of range, one whose columns'
-scales span 8 decades 0.55).
+code or on zero, losing relative precision or all of it). Nothing leaves the range at the
+top: current scaling maps the amax onto the largest value, up to the scale's rounding
+(|fl(x · scale)| ≤ max (1 + u)², which still encodes as max: proofs/gift.md, section 1),
+so the count is the underflow count, and it grows with the dynamic range of the tensor
+(measured for E4M3: a Gaussian 1000 × 1000 tensor has 1.3e-4 of its elements out of
+range, one whose columns' scales span 8 decades 0.55).
 
 Each rank counts its own gradients (no collective per step). When the window closes,
 the counts are SUM-all-reduced once, so every rank ranks the same numbers; candidates are
@@ -32,12 +32,12 @@ COUNTED_FORMATS = {"e4m3": e4m3.FORMAT, "e5m2": e5m2.FORMAT}
 
 
 def range_hits(x: torch.Tensor, fmt: str) -> int:
-    """Elements of ``x`` outside ``fmt``'s normal range under ``x``'s own current scale."""
+    """Elements of ``x`` below ``fmt``'s normal range under ``x``'s own current scale (none
+    can be above it: the module docstring)."""
     form = COUNTED_FORMATS[fmt]
     scale = form.scale_for(form.tensor_amax(x))
     scaled = (x.detach().to(torch.float32) * scale).abs()
-    below = (scaled < torch.finfo(form.dtype).smallest_normal) & (x != 0)
-    return int(below.sum()) + int((scaled > form.max).sum())
+    return int(((scaled < torch.finfo(form.dtype).smallest_normal) & (x != 0)).sum())
 
 
 class RangeHitSelection:
