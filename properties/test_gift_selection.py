@@ -7,8 +7,9 @@ definition: under current scaling an E4M3 element underflows when its magnitude 
 below amax/28672, amax ≈ 4.5 × the largest column's deviation, so the columns below
 10^-3.8 of the largest underflow nearly whole: a span of D decades gives a hit rate of
 about (D − 3.8)/D. Branch 0: 0.53 on rank 0, 0.24 on rank 1; branch 1: 0.16, 0.42;
-branches 2 and 3 (one decade): near 0 (measured afterwards: 0.521, 0.230; 0.168, 0.417;
-at most 2 elements of 3072). Summed, branch 0 leads (0.77 against 0.58) though
+branches 2 and 3 (one decade): near 0 (measured afterwards: 0.521, 0.230; 0.168, 0.416;
+at most 1 element of 3072; 0.417 and 2 before 551938e, which stopped counting an amax
+that lands a rounding above max). Summed, branch 0 leads (0.77 against 0.58) though
 rank 1 alone ranks branch 1 first: a selection from rank-local counts would differ
 between the ranks, so equal selections show that the counts were all-reduced."""
 
