@@ -5,7 +5,10 @@ operation order as the kernel, over an *arithmetic*:
 
 * ``POINT``: float64 tensors, the slow obviously-correct reference;
 * ``ENCLOSURE``: :class:`~forge_verify.numerics.interval.Interval`, a rigorous bound on
-  every value an fp32 kernel evaluating that sequence can produce.
+  every value an fp32 kernel evaluating that sequence can produce;
+* :func:`running_error` (``RUNNING_ERROR``): the float64 reference's values, each with a
+  bound on its distance to the exact value of the same sequence (how far two float64
+  evaluations of one rule may differ, proofs/reference_enclosure.md).
 
 The hyperparameter-derived scalars (bias corrections, first-step momentum, the
 Adagrad learning-rate decay) are recomputed here from the rule's hyperparameters,
@@ -69,8 +72,101 @@ class _Enclosure:
         return Interval(x.lo.clamp_min(0), x.hi.clamp_min(0))
 
 
+#: a bound's own evaluation is at most six float64 operations on non-negative terms, within
+#: (1 + u64)^6 of its real value; this factor makes it an upper bound, with room for a bound
+#: taken along another evaluation's values (proofs/reference_enclosure.md)
+_BOUND_MARGIN = 1 + 16 * UNIT_ROUNDOFF[torch.float64]
+
+
+class Rounded:
+    """A float64 value and a bound on its distance to the exact (real-number) value of the
+    expression it was computed by (running error analysis: Higham, *Accuracy and Stability
+    of Numerical Algorithms*, section 3.3). Each operation propagates its operands' bounds
+    exactly as the real operation does, then adds ``unit * |result|`` for its own rounding;
+    every bound is itself evaluated with a margin that covers its float64 roundings."""
+
+    __slots__ = ("value", "error", "unit")
+
+    def __init__(self, value, error, unit):
+        self.value, self.error, self.unit = value, error, unit
+
+    def _result(self, value, propagated):
+        return Rounded(value, (propagated + self.unit * value.abs()) * _BOUND_MARGIN, self.unit)
+
+    def __add__(self, other):
+        return self._result(self.value + other.value, self.error + other.error)
+
+    def __sub__(self, other):
+        return self._result(self.value - other.value, self.error + other.error)
+
+    def __mul__(self, other):
+        return self._result(self.value * other.value, self.value.abs() * other.error
+                            + other.value.abs() * self.error + self.error * other.error)
+
+    def __truediv__(self, other):
+        # |a/b - â/b̂| <= (e_a + |â/b̂| e_b) / |b|, and |b| >= |b̂| - e_b; unbounded if that reaches 0.
+        quotient = self.value / other.value
+        floor = torch.nextafter(other.value.abs() - other.error, torch.tensor(-torch.inf, dtype=torch.float64))
+        spread = (self.error + quotient.abs() * (1 + self.unit) * other.error) / floor
+        return self._result(quotient, torch.where(floor > 0, spread, torch.inf))
+
+    def sqrt(self):
+        # |√a - √â| = |a - â| / (√a + √â) <= e / √â, and never more than √e.
+        root = sqrt_rn(self.value)
+        shrunk = torch.where(root > 0, self.error / root, torch.inf)
+        return self._result(root, torch.minimum(shrunk, sqrt_rn(self.error)))
+
+    def sign(self):
+        # Exact where the bound cannot reach zero; elsewhere the sign may be off by up to 2.
+        exact = (self.value.abs() > self.error) | (self.error == 0)
+        error = torch.where(exact, 0.0, 2.0).to(torch.float64)
+        return Rounded(torch.sign(self.value), error, self.unit)
+
+    def clamp_nonnegative(self):
+        return Rounded(self.value.clamp_min(0), self.error, self.unit)  # 1-Lipschitz, exact
+
+
+class _RunningError:
+    """Float64 values with running error bounds (:class:`Rounded`); each operation and each
+    host scalar may be off by ``unit`` relatively: gamma_1(u64) for correctly rounded ones."""
+
+    def __init__(self, unit: float):
+        self.name, self.unit = f"fp64 running error (unit {unit:.3g})", unit
+
+    def const(self, c):
+        # a host scalar, allowed one rounding: two evaluations of a rule compute the same
+        # scalars from the hyperparameters but for a square root (proofs/reference_enclosure.md)
+        value = torch.tensor(float(c), dtype=torch.float64)
+        return Rounded(value, self.unit * value.abs(), self.unit)
+
+    def value(self, t):
+        """An input known exactly."""
+        t = t.detach().to(torch.float64)
+        return Rounded(t, torch.zeros_like(t), self.unit)
+
+    @staticmethod
+    def sqrt(x):
+        return x.sqrt()
+
+    @staticmethod
+    def sign(x):
+        return x.sign()
+
+    @staticmethod
+    def clamp_nonnegative(x):
+        return x.clamp_nonnegative()
+
+
+def running_error(rounded_operations: int = 1) -> _RunningError:
+    """The arithmetic whose every operation (and host scalar) is allowed the error of
+    ``rounded_operations`` float64 roundings, gamma_n(u64): 1 models correctly rounded
+    float64 (this module's ``POINT``), 2 an operation within one float64 ulp."""
+    return _RunningError(gamma(rounded_operations, UNIT_ROUNDOFF[torch.float64]))
+
+
 POINT = _Point()
 ENCLOSURE = _Enclosure()
+RUNNING_ERROR = running_error()
 
 
 def adamw(A, w, g, s, rule, step):
