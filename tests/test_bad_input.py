@@ -1,5 +1,7 @@
 """Every bad input to fused_weight_update gets a clear error, and nothing is written."""
 
+import re
+
 import pytest
 import torch
 
@@ -109,6 +111,41 @@ def test_overlapping_tensors_are_refused(good, alias):
         state["exp_avg_sq"] = state["exp_avg"]
     with pytest.raises(ValueError, match="share memory"):
         _call(x, dy, w, state, rule)
+
+
+@pytest.mark.parametrize("written, other, message", [
+    ("square_sums", "weight", "weight and square_sums share memory"),
+    ("square_sums", "state", "state['exp_avg_sq'] and square_sums share memory"),
+    ("square_sums", "x", "square_sums and x share memory"),
+    ("square_sums", "dy", "square_sums and dy share memory"),
+    ("grad_scale", "weight", "weight and grad_scale share memory"),
+    ("grad_scale", "state", "state['exp_avg'] and grad_scale share memory"),
+    ("grad_scale", "square_sums", "square_sums and grad_scale share memory"),
+])
+def test_square_sums_and_a_device_grad_scale_sharing_memory_are_refused(good, written, other, message):
+    """square_sums is written and a device grad_scale is read while the weight, state and
+    sums are written: either inside another tensor of the call was accepted, and the step
+    wrote a tile's sum of squares into the weight (or read a scale the step was writing)."""
+    x, dy, w, state, rule = good
+    sums = fk.empty_square_sums(w.shape, device=w.device)
+    host = {"weight": w, "state": state["exp_avg_sq" if written == "square_sums" else "exp_avg"], "x": x, "dy": dy,
+            "square_sums": sums}[other]
+    alias = host.view(-1)[:sums.numel()].view(sums.shape) if written == "square_sums" else host.view(-1)[:1]
+    options = {"square_sums": sums, "grad_scale": torch.ones(1, device=w.device)}
+    options[written] = alias
+    before = {name: t.clone() for name, t in (("weight", w), ("x", x), ("dy", dy), *state.items())}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _call(x, dy, w, state, rule, **options)
+    for name, tensor in (("weight", w), ("x", x), ("dy", dy), *state.items()):
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_apply_rule_refuses_a_device_grad_scale_in_the_weight(good):
+    _, _, w, state, rule = good
+    before = w.clone()
+    with pytest.raises(ValueError, match=re.escape("weight and grad_scale share memory")):
+        fk.apply_rule(torch.randn_like(w), w, state, rule, 1, grad_scale=w.view(-1)[:1])
+    assert torch.equal(w, before)
 
 
 @pytest.mark.parametrize("step", [0, -1, 1.5, True, "1"])

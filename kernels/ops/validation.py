@@ -65,9 +65,12 @@ def check_activations(x, dy):
         raise ValueError(f"x is on {x.device} but dy on {dy.device}")
 
 
-def check_weight_and_state(weight, state, rule, read=()):
+def check_weight_and_state(weight, state, rule, read=(), square_sums=None, grad_scale=None):
     """The written tensors: a contiguous float32/bfloat16 weight on the kernels' device, this
-    rule's state for it, and no memory shared with each other or with the ``read`` tensors."""
+    rule's state for it, and no memory shared between a written tensor (the weight, the
+    state, a ``square_sums`` buffer) and any other tensor of the call (the ``read``
+    tensors, a device ``grad_scale``). Only these tensors' memory is checked here; what
+    else is wrong with ``square_sums`` or ``grad_scale`` is their own checks' to say."""
     _check_tensor("weight", weight, 2)
     if weight.dtype not in STORAGE_DTYPES:
         raise TypeError(f"weight is {weight.dtype}; weights must be float32 or bfloat16")
@@ -82,9 +85,11 @@ def check_weight_and_state(weight, state, rule, read=()):
             f"{'interpreter' if interpreting() else 'compiler'}: import forge_kernels before defining kernels "
             "(or set TRITON_INTERPRET yourself before importing triton)")
     rule.check_state(state, weight)
-    written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in sorted(state)]
-    # Each span once: this runs on every step, over up to nine tensors.
-    spans = [(name, _span(t)) for name, t in written + list(read)]
+    written = [("weight", weight)] + [(f"state[{k!r}]", state[k]) for k in sorted(state)] + \
+        _plain_tensors([("square_sums", square_sums)])
+    read = list(read) + _plain_tensors([("grad_scale", grad_scale)])
+    # Each span once: this runs on every step, over up to eleven tensors.
+    spans = [(name, _span(t)) for name, t in written + read]
     for i, (name_a, a) in enumerate(spans[:len(written)]):
         for name_b, b in spans[i + 1:]:
             if _spans_overlap(a, b):
@@ -92,7 +97,14 @@ def check_weight_and_state(weight, state, rule, read=()):
                                  f"{name_a} in place, so they must not overlap")
 
 
-def check_update_inputs(x, dy, weight, state, rule):
+def _plain_tensors(named) -> list:
+    """The (name, tensor) pairs of ``named`` whose value is a tensor with memory of its own
+    (a plain tensor or a Parameter); None, numbers and other types are left to the checks
+    of their arguments."""
+    return [(name, t) for name, t in named if type(t) in (torch.Tensor, torch.nn.Parameter)]
+
+
+def check_update_inputs(x, dy, weight, state, rule, square_sums=None, grad_scale=None):
     """Validate the arguments of ``fused_weight_update``; raise on the first problem."""
     check_activations(x, dy)
     _check_tensor("weight", weight, 2)
@@ -102,7 +114,8 @@ def check_update_inputs(x, dy, weight, state, rule):
         raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but x has {K} input features")
     if dy.shape[1] != N:
         raise ValueError(f"weight is {tuple(weight.shape)} (out, in) but dy has {dy.shape[1]} output features")
-    check_weight_and_state(weight, state, rule, read=[("x", x), ("dy", dy)])
+    check_weight_and_state(weight, state, rule, read=[("x", x), ("dy", dy)], square_sums=square_sums,
+                           grad_scale=grad_scale)
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x on {x.device}")
 
