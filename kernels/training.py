@@ -3,10 +3,11 @@
 ``Trainer(model, optimizer)`` drives the fused layers (their steps happen inside the
 backward) and an ordinary torch optimizer over everything else (embeddings, norms,
 biases) in the same ``step()``. It adds one parameter group per fused rule to that
-optimizer, holding the fused weights and the rule's learning rate: torch optimizers
-skip parameters without a gradient, and fused weights never have one, so the group is
-never stepped by torch, but a torch LR scheduler moves its ``lr`` like any other and
-the trainer hands it to the rule before each step.
+optimizer, holding the fused weights and the rule's hyperparameters under torch.optim's
+names: torch optimizers skip parameters without a gradient, and fused weights never have
+one, so the group is never stepped by torch, but a torch scheduler moves its ``lr`` (and
+momentum: OneCycleLR) like any other and the trainer hands them to the rule before each
+step.
 
 Fused steps are taken with ``report="defer"``: no layer waits for the GPU in the
 backward; ``step()`` checks every layer's step once at its end (``check_updates``),
@@ -36,6 +37,11 @@ GRADIENTS = ("fused", "materialized")
 CLIPPING = ("exact", "previous-norm")
 NORMS = ("gradient", "tiles")
 _GROUP_KEY = "forge_rule_index"
+# The names of the rule hyperparameters a fused group holds; a group without it (a
+# checkpoint from before groups held them all) held the lr alone.
+_HELD_KEY = "forge_rule_hyperparameters"
+# What torch's schedulers move besides lr: OneCycleLR and CyclicLR cycle one of these.
+_SCHEDULED_MOMENTA = ("momentum", "betas")
 
 
 def fused_layers(model: torch.nn.Module) -> list:
@@ -181,6 +187,35 @@ def check_unfused_optimizer(model, optimizer) -> None:
                          "fk.unfused_parameters(model)")
 
 
+def _fused_group(rule, weights, index) -> dict:
+    """The param group of the fused weights stepped by ``rule``: its hyperparameters under
+    torch.optim's names, where schedulers move them."""
+    hyperparameters = rule.hyperparameters()
+    return {"params": weights, **hyperparameters, _GROUP_KEY: index, _HELD_KEY: tuple(hyperparameters)}
+
+
+def _as_rule_value(value):
+    """A group's value as a rule holds it: a float (a tensor lr read once), a tuple of them, a bool."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_as_rule_value(v) for v in value)
+    return float(value)
+
+
+class _FusedGroupsOnly(torch.optim.Optimizer):
+    """The Trainer's optimizer for a model without unfused parameters: it holds the fused
+    groups for schedulers and checkpoints and steps nothing. Its defaults are the first
+    rule's hyperparameters, so a scheduler that asks them finds what the rule has
+    (OneCycleLR cycles AdamW's betas, SGD's momentum)."""
+
+    def __init__(self, groups):
+        super().__init__(groups, {name: groups[0][name] for name in groups[0][_HELD_KEY]})
+
+    def step(self, closure=None):
+        return None if closure is None else closure()
+
+
 class _InputCheck:
     """Non-finite operands of the fused layers' gradients (materialized, or their norms
     taken from the tile loop): counted on the device as each layer's norm is taken (no
@@ -251,8 +286,10 @@ class Trainer:
     ``model`` holds ``ForgeLinear`` layers (``fk.fuse``); ``optimizer`` is a torch
     optimizer over exactly ``unfused_parameters(model)`` (``None`` when there are none).
     ``scheduler``, if given, is a callable ``optimizer -> LRScheduler``; it is built after
-    the fused groups are added, so it drives the fused rules' ``lr`` too, and it is
-    stepped once per ``step()``.
+    the fused groups are added, so it drives the fused rules' ``lr`` (and momentum) too,
+    and it is stepped once per ``step()``. ``ReduceLROnPlateau`` steps on a metric: build
+    it on ``trainer.optimizer`` and step it yourself. A rule hyperparameter set on the
+    rule (``rule.lr = ...``) is adopted into its group at the next step.
 
     ``step(closures)``: ``closures`` is one callable, or a list with one per micro-batch;
     each runs a forward and returns a scalar loss, which the trainer backpropagates
@@ -347,24 +384,58 @@ class Trainer:
                             "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)): it has to be built after "
                             "the trainer adds the fused groups to the optimizer")
         self.optimizer = self._with_fused_groups(optimizer)
+        self._synced = {}  # rule index -> its group's values at the last sync
+        self._sync_hyperparameters()
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError("ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)) that the Trainer does not "
+                            "have: pass no scheduler=, build it on trainer.optimizer after the Trainer and call its "
+                            "step(metric) yourself; the Trainer hands the reduced lr to the fused rules at the next "
+                            "step")
+        self._sync_hyperparameters()  # a scheduler may set them when it is built (OneCycleLR's momentum)
         self.last_norm = None
 
     def _with_fused_groups(self, optimizer):
         check_unfused_optimizer(self.model, optimizer)
-        groups = [{"params": [layer.weight for layer in self.layers if layer.rule is rule], "lr": rule.lr,
-                   _GROUP_KEY: index} for index, rule in enumerate(self.rules)]
+        groups = [_fused_group(rule, [layer.weight for layer in self.layers if layer.rule is rule], index)
+                  for index, rule in enumerate(self.rules)]
         if optimizer is None:
-            # Only a holder for the fused groups' learning rates: it never steps a fused weight.
-            return torch.optim.SGD(groups, lr=0.0)
+            return _FusedGroupsOnly(groups)
         for group in groups:
             optimizer.add_param_group(group)
         return optimizer
 
-    def _sync_learning_rates(self):
+    def _sync_hyperparameters(self):
+        """Give each fused rule its group's hyperparameters, where a scheduler moves them.
+        One set on the rule itself since the last sync (``rule.lr = ...``) is adopted into
+        the group first, as a change of ``group["lr"]`` by hand would be; one set on both
+        is refused. A momentum that a scheduler moves in the group but the rule does not
+        have (SGD's momentum for AdamW) is refused: the rule would never see it."""
         for group in self.optimizer.param_groups:
-            if _GROUP_KEY in group:
-                self.rules[group[_GROUP_KEY]].lr = float(group["lr"])
+            if _GROUP_KEY not in group:
+                continue
+            index = group[_GROUP_KEY]
+            rule, synced = self.rules[index], self._synced.get(index, {})
+            held = group.get(_HELD_KEY, ("lr",))
+            own = rule.hyperparameters()
+            for name in held:
+                mine, theirs = _as_rule_value(own[name]), _as_rule_value(group[name])
+                if name in synced and mine != synced[name]:  # set on the rule
+                    if theirs not in (synced[name], mine):
+                        raise ValueError(f"{type(rule).__name__}'s {name} was set to {mine!r} on the rule and to "
+                                         f"{theirs!r} in its param group since the last step: set it in one place")
+                    group[name] = theirs = mine
+                setattr(rule, name, theirs)
+            rule._validate()
+            moved = [name for name in _SCHEDULED_MOMENTA if name in synced and name not in held
+                     and _as_rule_value(group[name]) != synced[name]]
+            if moved:
+                raise ValueError(f"the fused {type(rule).__name__} group's {moved[0]!r} was moved (to "
+                                 f"{group[moved[0]]!r}, by a scheduler?), but {type(rule).__name__} has no "
+                                 f"{moved[0]} (it has {list(own)}): the change would be lost. Build the scheduler "
+                                 "without it (OneCycleLR, CyclicLR: cycle_momentum=False)")
+            self._synced[index] = {name: _as_rule_value(group[name])
+                                   for name in (*held, *_SCHEDULED_MOMENTA) if name in group}
 
     def step(self, closures):
         """One optimizer step over the micro-batches ``closures``; returns their losses
@@ -372,7 +443,7 @@ class Trainer:
         closures = [closures] if callable(closures) else list(closures)
         if not closures or not all(callable(c) for c in closures):
             raise TypeError("step takes a callable returning the loss, or a non-empty list of them")
-        self._sync_learning_rates()
+        self._sync_hyperparameters()
         if self.gradients == "fused" and len(closures) > 1:
             self._check_accumulates_in_state()
         try:
@@ -394,7 +465,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        self._sync_learning_rates()  # so rule.lr always shows the lr of the next step
+        self._sync_hyperparameters()  # so the rules always show the next step's values
         return losses
 
     def _run(self, closures, backward_for):
@@ -538,9 +609,12 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         if (state["scheduler"] is None) != (self.scheduler is None):
             raise ValueError("the checkpoint and this trainer disagree on having a scheduler")
-        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        # The loaded groups replace the old ones: the rules take their values (a scheduler's
+        # momentum among them) before the fused layers check their checkpoint's record of them.
+        self._synced = {}
+        self._sync_hyperparameters()
+        self.model.load_state_dict(state["model"])
         self.last_norm = state["last_norm"]  # clipping='previous-norm' scales the next step by it
-        self._sync_learning_rates()

@@ -1,0 +1,149 @@
+"""Trainer: every hyperparameter a fused rule shares with its param group follows the
+group (schedulers that move momenta, OneCycleLR above all), a rule hyperparameter set
+directly is adopted into the group, what cannot reach a rule is refused, and
+ReduceLROnPlateau (stepped on a metric) is refused as scheduler= and works stepped by hand.
+
+The reference is a hand-written loop: the same model's fused layers stepping in their own
+backward, their rule set before each step from a torch scheduler on a torch optimizer.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import forge_kernels as fk
+from forge_verify import assert_bitwise_equal
+
+# The momentum each torch optimizer has, as the group key OneCycleLR cycles.
+MOMENTUM_KEY = {"AdamW": "betas", "SGD": "momentum"}
+
+
+def _model(device, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias)).to(device)
+
+
+def _loss(model, device, step):
+    gen = torch.Generator().manual_seed(10 + step)
+    x = torch.randn(8, 16, generator=gen).to(device)
+    return lambda: model(x).square().mean()
+
+
+def _build(kind, model, lr):
+    rule = fk.AdamW(lr=lr) if kind == "AdamW" else fk.SGD(lr=lr, momentum=0.9)
+    fk.fuse(model, rule)
+    params = fk.unfused_parameters(model)
+    optimizer = (torch.optim.AdamW(params, lr=lr) if kind == "AdamW" else
+                 torch.optim.SGD(params, lr=lr, momentum=0.9)) if params else None
+    return rule, optimizer
+
+
+def _one_cycle(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)  # cycle_momentum=True
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("kind, bias", [("AdamW", True), ("SGD", True), ("AdamW", False)],
+                         ids=["AdamW", "SGD-momentum", "AdamW-no-torch-optimizer"])
+def test_one_cycle_moves_the_fused_rules_momentum(kind, bias, device):
+    """OneCycleLR cycles lr and the momentum (AdamW's beta1, SGD's momentum) of every group:
+    the fused rules take both, as a hand loop setting them from a torch optimizer's
+    OneCycleLR does, bitwise. Without unfused parameters the Trainer's own optimizer holds
+    the fused group, and OneCycleLR finds the rule's momentum there too. A checkpoint
+    carries the moved values to a resumed trainer's rules."""
+    model, twin = _model(device, bias), _model(device, bias)
+    rule, optimizer = _build(kind, model, 0.1)
+    twin_rule, twin_optimizer = _build(kind, twin, 0.1)
+    trainer = fk.Trainer(model, optimizer, scheduler=_one_cycle)
+    # The twin's schedule: its own torch optimizer's, or a stand-in's of the rule's kind.
+    schedule_optimizer = twin_optimizer
+    if schedule_optimizer is None:
+        schedule_optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1, device=device))], lr=0.1)
+    twin_scheduler = _one_cycle(schedule_optimizer)
+    key = MOMENTUM_KEY[kind]
+    for step in range(3):
+        group = schedule_optimizer.param_groups[0]
+        twin_rule.lr, twin_value = group["lr"], group[key]
+        setattr(twin_rule, key, twin_value)
+        assert rule.lr == twin_rule.lr and getattr(rule, key) == twin_value
+        trainer.step(_loss(model, device, step))
+        _loss(twin, device, step)().backward()
+        schedule_optimizer.step()
+        schedule_optimizer.zero_grad()
+        twin_scheduler.step()
+    # The Trainer's rules show the next step's values; the twin's take them too.
+    twin_rule.lr = schedule_optimizer.param_groups[0]["lr"]
+    setattr(twin_rule, key, schedule_optimizer.param_groups[0][key])
+    assert getattr(rule, key) == getattr(twin_rule, key) != (0.9 if kind == "SGD" else (0.9, 0.999))  # it moved
+    for (name, x), (_, y) in zip(model.state_dict().items(), twin.state_dict().items(), strict=True):
+        assert_bitwise_equal(x, y, name)
+
+    resumed_rule, resumed_optimizer = _build(kind, resumed := _model(device, bias, seed=1), 0.1)
+    resumed_trainer = fk.Trainer(resumed, resumed_optimizer, scheduler=_one_cycle)
+    resumed_trainer.load_state_dict(trainer.state_dict())
+    assert resumed_rule.hyperparameters() == rule.hyperparameters()
+
+
+def test_a_rule_hyperparameter_set_directly_is_adopted_into_its_group(device):
+    """rule.lr = 0 under a Trainer takes effect at the next step (the weights stay) and the
+    group shows it, so a scheduler goes on from it; set on the rule and in the group to
+    different values since the last step, it is refused before anything steps."""
+    model = _model(device, bias=False)
+    rule = fk.AdamW(lr=0.1)
+    fk.fuse(model, rule)
+    trainer = fk.Trainer(model, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    rule.lr = 0.0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.step(_loss(model, device, 0))
+    for layer in fk.fused_layers(model):
+        assert_bitwise_equal(layer.weight.detach(), before[layer.forge_name + ".weight"], layer.forge_name)
+        assert int(layer.forge_step) == 1
+    assert trainer.optimizer.param_groups[0]["lr"] == rule.lr == 0.0
+
+    rule.lr = 0.2
+    trainer.optimizer.param_groups[0]["lr"] = 0.3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"AdamW's lr was set to 0.2 on the rule and to 0.3 in its param group"):
+        trainer.step(_loss(model, device, 1))
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+
+
+def test_a_scheduled_momentum_the_rule_does_not_have_is_refused(device):
+    """A torch AdamW optimizer's OneCycleLR cycles every group's betas, the fused SGD group's
+    too, which SGD cannot take: refused when the scheduler is built, not lost in silence;
+    without momentum cycling it trains."""
+    model = _model(device)
+    fk.fuse(model, fk.SGD(lr=0.1, momentum=0.9))
+    optimizer = torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1)
+    with pytest.raises(ValueError, match=r"group's 'betas' was moved .* SGD has no betas.*cycle_momentum=False"):
+        fk.Trainer(model, optimizer, scheduler=_one_cycle)
+    model = _model(device)
+    fk.fuse(model, fk.SGD(lr=0.1, momentum=0.9))
+    optimizer = torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1)
+    trainer = fk.Trainer(model, optimizer, scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.1, total_steps=10, cycle_momentum=False))
+    trainer.step(_loss(model, device, 0))
+    assert trainer.rules[0].momentum == 0.9
+
+
+def test_reduce_lr_on_plateau_is_refused_as_scheduler_and_works_stepped_by_hand(device):
+    """ReduceLROnPlateau steps on a metric the Trainer does not have: refused when built,
+    before any step (it used to fail after a whole step was taken). Built on the Trainer's
+    optimizer and stepped by hand, the lr it reduces reaches the fused rule at the next step."""
+    model = _model(device)
+    fk.fuse(model, fk.AdamW(lr=0.1))
+    optimizer = torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1)
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau steps on a metric.*step\(metric\) yourself"):
+        fk.Trainer(model, optimizer, scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+    assert all(int(layer.forge_step) == 0 for layer in fk.fused_layers(model)) and not optimizer.state
+
+    model = _model(device)
+    fk.fuse(model, fk.AdamW(lr=0.1))
+    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1))
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(trainer.optimizer, factor=0.5, patience=0)
+    for step in range(3):
+        trainer.step(_loss(model, device, 0))
+        plateau.step(1.0)  # no improvement after the first: the lr halves
+    trainer.step(_loss(model, device, 0))
+    assert trainer.rules[0].lr == 0.1 * 0.5**2
