@@ -294,8 +294,9 @@ def test_a_refused_state_changes_nothing(method):
     and the seed and counter are not half-loaded before the refusal."""
     opt = _optimizer_of(method, nn.Linear(3, 2))
     before = opt.state_dict()
-    bad = {**_optimizer_of(method, nn.Linear(3, 2), seed=99).state_dict(), "call": 5, "lr": -1.0}
-    with pytest.raises(ValueError, match="lr must be"):
+    bad = {**_optimizer_of(method, nn.Linear(3, 2), seed=99).state_dict(), "call": 5}
+    bad["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"the state's param_groups\[0\]: lr must be"):
         opt.load_state_dict(bad)
     assert opt.state_dict() == before
 
@@ -304,11 +305,118 @@ def test_a_refused_state_changes_nothing(method):
 def test_a_state_missing_keys_is_refused_naming_them(method):
     opt = _optimizer_of(method, nn.Linear(3, 2))
     state = opt.state_dict()
-    del state["eps"], state["call"]
-    with pytest.raises(ValueError, match=r"the state lacks \['call', 'eps'\]"):
-        _optimizer_of(method, nn.Linear(3, 2)).load_state_dict(state)
+    del state["call"], state["seed"]
+    with pytest.raises(ValueError, match=r"the state lacks \['seed', 'call'\]"):
+        opt.load_state_dict(state)
+    state = opt.state_dict()
+    del state["param_groups"][0]["eps"]
+    with pytest.raises(ValueError, match=r"the state's param_groups\[0\]: lacks \['eps'\]"):
+        opt.load_state_dict(state)
     with pytest.raises(TypeError, match=r"the dict state_dict\(\) returns"):
         opt.load_state_dict([("seed", 1)])
+
+
+def test_grzo_refuses_a_state_of_another_block_size():
+    """block_elements changes the hooked outputs' rounding (a row block of U is one
+    matmul: measured, a 1024-wide Linear's losses differ in the last bit between blocks of
+    5 rows and the whole), so a resume with another size would not be bitwise."""
+    state = fk.GRZO(nn.Linear(3, 2), lr=0.1, block_elements=64).state_dict()
+    with pytest.raises(ValueError, match="saved with block_elements=64, this optimizer has 1048576"):
+        fk.GRZO(nn.Linear(3, 2), lr=0.1).load_state_dict(state)
+
+
+# --- torch conventions: param_groups and LR schedulers --------------------------------------
+
+_SCHEDULERS = {
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: [1.0, 0.0, 0.5, 0.25, 0.125][step]),
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8,
+                                                                  cycle_momentum=False),
+}
+
+
+def _scheduled_run(method, scheduler, steps, model, state=None):
+    """``steps`` steps of GRZO/MeZO under ``scheduler`` (each step then the scheduler's),
+    resumed from ``state`` (optimizer's and scheduler's) if given; the lr each step used."""
+    idx = _tokens()
+    if method == "GRZO":
+        opt, closure = fk.GRZO(model, lr=1e-2, seed=9), _closure(model, idx)
+    else:
+        opt, closure = fk.MeZO(model, lr=1e-2, seed=9), (lambda: (model(idx) ** 2).sum(-1).mean())
+    schedule = _SCHEDULERS[scheduler](opt)
+    if state is not None:
+        opt.load_state_dict(state[0])
+        schedule.load_state_dict(state[1])
+    used = []
+    for _ in range(steps):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step(closure)
+        schedule.step()
+    return opt, schedule, used
+
+
+@pytest.mark.parametrize("scheduler", sorted(_SCHEDULERS))
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_torch_scheduler_drives_lr_and_resumes_bit_for_bit(method, scheduler):
+    """Four steps under the scheduler against two, a save of both states, a resume on a
+    fresh model, optimizer and scheduler, and two more: the same lrs and weights bitwise."""
+    model = _Small(torch.float32)
+    opt, schedule, used = _scheduled_run(method, scheduler, 2, model)
+    saved = (opt.state_dict(), schedule.state_dict(), _snapshot(model))
+    used += _scheduled_run(method, scheduler, 2, model, (opt.state_dict(), schedule.state_dict()))[2]
+    assert len(set(used)) > 1, f"the schedule did not change lr: {used}"
+    resumed = _Small(torch.float32)
+    resumed.load_state_dict(saved[2])
+    _, _, used_resumed = _scheduled_run(method, scheduler, 2, resumed, saved[:2])
+    assert used_resumed == used[2:]
+    for n, p in resumed.named_parameters():
+        assert_bitwise_equal(p.detach(), dict(model.named_parameters())[n].detach(), n)
+
+
+def _one_step(method, weights, lr, call):
+    """The weights after one step of an optimizer built with ``lr``, at counter ``call``."""
+    model, idx = _Small(torch.float32), _tokens()
+    model.load_state_dict(weights)
+    if method == "GRZO":
+        opt, closure = fk.GRZO(model, lr=lr, seed=9), _closure(model, idx)
+    else:
+        opt, closure = fk.MeZO(model, lr=lr, seed=9), (lambda: (model(idx) ** 2).sum(-1).mean())
+    opt.call = call
+    opt.step(closure)
+    return _snapshot(model)
+
+
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_each_step_reads_lr_from_the_param_group(method):
+    """Under LambdaLR (factors 1, 0, 0.5 of lr 1e-2) the second and third steps are those
+    of optimizers built with lr 0 and 5e-3 at those counters, bitwise; GRZO's step at lr 0
+    leaves the weights as they were (MeZO's is its restore's drift)."""
+    model = _Small(torch.float32)
+    opt, schedule, _ = _scheduled_run(method, "LambdaLR", 1, model)
+    idx = _tokens()
+    closure = _closure(model, idx) if method == "GRZO" else (lambda: (model(idx) ** 2).sum(-1).mean())
+    for lr in (0.0, 5e-3):
+        before, call = _snapshot(model), opt.call
+        opt.step(closure)
+        schedule.step()
+        for n, value in _one_step(method, before, lr, call).items():
+            assert_bitwise_equal(dict(model.named_parameters())[n].detach(), value, f"{n} at lr {lr}")
+        if method == "GRZO" and lr == 0:
+            _unchanged(model, before)
+
+
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_bad_lr_set_in_the_group_is_refused_before_anything_is_written(method):
+    model, idx = _Small(torch.float32), _tokens()
+    opt, before = _optimizer_of(method, model), _snapshot(model)
+    opt.param_groups[0]["lr"] = float("nan")
+    closure = _closure(model, idx) if method == "GRZO" else (lambda: (model(idx) ** 2).sum(-1).mean())
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be a finite non-negative number, got nan"):
+        opt.step(closure)
+    _unchanged(model, before)
+    assert opt.call == 0
+    with pytest.raises(ValueError, match="one parameter group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
 
 # --- bad input: nothing written -------------------------------------------------------

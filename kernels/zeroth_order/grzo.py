@@ -23,7 +23,6 @@ Exact statistics on quadratic losses (proofs/zeroth_order.md): E[ĝ | U] = U ⊙
 E[ĝ] = ḡ, trace of the covariance ((d - 1)/B) mean‖g_i‖² + 2‖ḡ‖².
 """
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import update_kernel
 from .draws import BASE, COL, ROW, CallDraws
+from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, hyperparameter
 from .targets import Perturbed, find_targets, row_blocks
 
 NORMALIZATIONS = ("std", "none")
@@ -52,11 +52,10 @@ class ZerothOrderStep:
     stepped: bool
 
 
-def _check_nonnegative(name, value, positive=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
-    return float(value)
+def check_normalize(name, value):
+    if value not in NORMALIZATIONS:
+        raise ValueError(f"{name} must be one of {NORMALIZATIONS}, got {value!r}")
+    return value
 
 
 def _check_block_elements(value):
@@ -120,9 +119,11 @@ def unmoved_message(method, knob, value, losses: str, params) -> str:
     return text
 
 
-class GRZO:
+class GRZO(OneGroupOptimizer):
     """``GRZO(model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0,
-    group=None, shards=None)``.
+    group=None, shards=None)``: a ``torch.optim.Optimizer`` whose one parameter group
+    holds lr, sigma, normalize, eps and weight_decay, read at every call (``param_group``:
+    torch LR schedulers drive lr).
 
     ``step(closure)`` and ``estimate(closure)``: the closure runs the model's forward
     (hooks perturb it; weights are never touched by the forwards) and returns the B
@@ -148,24 +149,25 @@ class GRZO:
     """
 
     method = "GRZO"
+    HYPERPARAMETERS = {"lr": check_nonnegative, "sigma": check_positive, "normalize": check_normalize,
+                       "eps": check_nonnegative, "weight_decay": check_nonnegative}
+    lr, sigma, normalize = hyperparameter("lr"), hyperparameter("sigma"), hyperparameter("normalize")
+    eps, weight_decay = hyperparameter("eps"), hyperparameter("weight_decay")
 
     def __init__(self, model, lr, sigma=1e-3, normalize="std", eps=1e-8, weight_decay=0.0, seed=0,
                  block_elements=BLOCK_ELEMENTS, group=None, shards=None):
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
-        self.lr = _check_nonnegative("lr", lr)
-        self.sigma = _check_nonnegative("sigma", sigma, positive=True)
-        self.eps = _check_nonnegative("eps", eps)
-        self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
-        self.normalize = normalize
+        hyperparameters = self._checked(dict(lr=lr, sigma=sigma, normalize=normalize, eps=eps,
+                                             weight_decay=weight_decay))
         self.seed = check_seed(seed)
         self.block_elements = _check_block_elements(block_elements)
         self.targets = find_targets(model, self.method, shards)
         self.group = group
         self.data_rank, self.data_world = data_parallel.group_rank(group)
         self.call = 0
+        super().__init__([t.param for t in self.targets], hyperparameters)
 
     def _local_forwards(self, closure, draws):
+        self.check_group()  # first, and inside the refusal every rank shares (``_forwards``)
         batches, losses, fired = [], [], []
         with torch.no_grad():
             for sign in (1, -1):
@@ -320,25 +322,26 @@ class GRZO:
             block.copy_(current - self.lr * (grad + self.weight_decay * current))
 
     def state_dict(self) -> dict:
-        return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr,
-                "sigma": self.sigma, "normalize": self.normalize, "eps": self.eps,
-                "weight_decay": self.weight_decay, "parameters": [t.name for t in self.targets]}
+        """The seed, the call counter, param_groups (the hyperparameters and what a
+        scheduler keeps there), block_elements (a row block's matmul may round the
+        hooked outputs differently, so another size is another run) and the names."""
+        return {"method": self.method, "seed": self.seed, "call": self.call, "param_groups": self.group_state(),
+                "block_elements": self.block_elements, "parameters": [t.name for t in self.targets]}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the same draws follow, so a resumed run is bitwise the uninterrupted one.
         Every value is checked before any is assigned: a refused state changes nothing."""
-        check_state(state, self.method, ("seed", "call", "lr", "sigma", "normalize", "eps", "weight_decay",
-                                         "parameters"))
+        check_state(state, self.method, ("seed", "call", "param_groups", "block_elements", "parameters"))
         names = [t.name for t in self.targets]
         if state["parameters"] != names:
             raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
-        if state["normalize"] not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {NORMALIZATIONS}")
+        if state["block_elements"] != self.block_elements:
+            raise ValueError(f"GRZO: the state was saved with block_elements={state['block_elements']!r}, this "
+                             f"optimizer has {self.block_elements}: the hooks' row blocks may round the losses "
+                             f"differently, so the resumed run would not be the saved one's; build it with "
+                             f"block_elements={state['block_elements']!r}")
         seed = check_seed(state["seed"])
-        lr = _check_nonnegative("lr", state["lr"])
-        sigma = _check_nonnegative("sigma", state["sigma"], positive=True)
-        eps = _check_nonnegative("eps", state["eps"])
-        weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
         call = check_call(state["call"])
-        self.seed, self.call, self.lr, self.sigma, self.eps = seed, call, lr, sigma, eps
-        self.weight_decay, self.normalize = weight_decay, state["normalize"]
+        group = self.checked_group_state(state["param_groups"])
+        self.seed, self.call = seed, call
+        self.param_groups[0].update(group)

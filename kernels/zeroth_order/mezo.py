@@ -28,8 +28,8 @@ from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import draw_kernel, mezo_kernel
 from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
-from .grzo import (BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, _check_nonnegative, check_call, check_state,
-                   unmoved_message)
+from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, check_call, check_state, unmoved_message
+from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, hyperparameter
 from .targets import SUPPORTED_DTYPES, check_shards
 
 
@@ -42,10 +42,11 @@ def _scalar_loss(value) -> torch.Tensor:
                     f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
 
 
-class MeZO:
+class MeZO(OneGroupOptimizer):
     """``MeZO(model, lr, eps=1e-3, weight_decay=0.0, seed=0, group=None, shards=None)``;
     ``step(closure)``, ``estimate(closure)`` (the closure returns a scalar loss),
-    ``state_dict()``.
+    ``state_dict()``. A ``torch.optim.Optimizer`` whose one parameter group holds lr, eps
+    and weight_decay, read at every call (torch LR schedulers drive lr).
 
     Every trainable floating parameter is perturbed, whatever its module; refused at
     construction, naming it: a parameter that is not contiguous (shifted through a flat
@@ -59,12 +60,12 @@ class MeZO:
     """
 
     method = "MeZO"
+    HYPERPARAMETERS = {"lr": check_nonnegative, "eps": check_positive, "weight_decay": check_nonnegative}
+    lr, eps, weight_decay = hyperparameter("lr"), hyperparameter("eps"), hyperparameter("weight_decay")
 
     def __init__(self, model, lr, eps=1e-3, weight_decay=0.0, seed=0, block_elements=BLOCK_ELEMENTS,
                  group=None, shards=None):
-        self.lr = _check_nonnegative("lr", lr)
-        self.eps = _check_nonnegative("eps", eps, positive=True)
-        self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
+        hyperparameters = self._checked(dict(lr=lr, eps=eps, weight_decay=weight_decay))
         self.seed = check_seed(seed)
         self.block_elements = _check_block_elements(block_elements)
         self.params, seen = [], set()
@@ -84,6 +85,7 @@ class MeZO:
         self.group = group
         data_parallel.group_rank(group)
         self.call = 0
+        super().__init__([p for _, p in self.params], hyperparameters)
 
     def _check_shiftable(self, name, param):
         """Refuse, before anything is written, what a shift would fail on part-way: a
@@ -173,6 +175,7 @@ class MeZO:
         """This process's losses at θ + εz and θ - εz; θ restored whatever happens, even
         when a shift fails part-way: each parameter is counted as displaced once its own
         shift is done, and exactly those are shifted back."""
+        self.check_group()  # first, and inside the refusal every rank shares (``_draw``)
         losses, displaced = [], {}  # parameter name: θ sits at θ + displaced · εz
         try:
             with torch.no_grad():
@@ -247,19 +250,21 @@ class MeZO:
             block.copy_(current - self.lr * (projected * z + self.weight_decay * current))
 
     def state_dict(self) -> dict:
-        return {"method": self.method, "seed": self.seed, "call": self.call, "lr": self.lr, "eps": self.eps,
-                "weight_decay": self.weight_decay, "parameters": [n for n, _ in self.params]}
+        """The seed, the call counter, param_groups (the hyperparameters and what a
+        scheduler keeps there) and the names (block_elements changes no bit: every
+        operation on z is element-wise)."""
+        return {"method": self.method, "seed": self.seed, "call": self.call, "param_groups": self.group_state(),
+                "parameters": [n for n, _ in self.params]}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume (as ``GRZO.load_state_dict``): every value is checked before any is
         assigned, so a refused state changes nothing."""
-        check_state(state, self.method, ("seed", "call", "lr", "eps", "weight_decay", "parameters"))
+        check_state(state, self.method, ("seed", "call", "param_groups", "parameters"))
         names = [n for n, _ in self.params]
         if state["parameters"] != names:
             raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
         seed = check_seed(state["seed"])
-        lr = _check_nonnegative("lr", state["lr"])
-        eps = _check_nonnegative("eps", state["eps"], positive=True)
-        weight_decay = _check_nonnegative("weight_decay", state["weight_decay"])
         call = check_call(state["call"])
-        self.seed, self.call, self.lr, self.eps, self.weight_decay = seed, call, lr, eps, weight_decay
+        group = self.checked_group_state(state["param_groups"])
+        self.seed, self.call = seed, call
+        self.param_groups[0].update(group)
