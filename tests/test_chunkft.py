@@ -10,6 +10,7 @@ import forge_kernels as fk
 from forge_kernels.chunkft import sliced
 from forge_verify.checks import chunkft
 from forge_verify.checks.chunkft import ChunkProblem
+from forge_verify.checks.problems import Regime
 from forge_verify.numerics.tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF, accumulation_rtol
 
 
@@ -113,6 +114,30 @@ def test_sliced_embedding_gradient_is_autograds_slice_bitwise(padding_idx, scale
         assert torch.equal(grad, weight.grad[start:stop]), (start, stop)
     if padding_idx is not None:
         assert not sliced.embedding_weight_grad(indices, dy, 0, 29, padding_idx=padding_idx)[padding_idx].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_sum_of_a_column_slice_is_the_slice_of_the_whole_sum_bitwise(dtype):
+    """sliced.token_sum reads each column alone, in token order: a column slice's sum has
+    the whole sum's bits, 1 to 1,000 tokens. The control, torch's sum(0), blocks the
+    reduction by position: some of its slices' sums are not the whole's (proofs/chunkft.md §1)."""
+    gen = torch.Generator().manual_seed(0)
+    control_differs = 0
+    for tokens in (1, 2, 3, 16, 17, 100, 257, 1000):
+        x = torch.randn(tokens, 37, generator=gen, dtype=dtype)
+        whole, whole_sum = sliced.token_sum(x), x.sum(0)
+        for start, stop in [(0, 1), (1, 37), (3, 20), (18, 37), (36, 37), (0, 36)]:
+            assert torch.equal(sliced.token_sum(x[:, start:stop]), whole[start:stop]), (tokens, start, stop)
+            control_differs += not torch.equal(x[:, start:stop].sum(0), whole_sum[start:stop])
+    assert control_differs > 0
+
+
+def test_chunk_steps_cutting_a_bias_are_the_dense_steps():
+    """A pinned case of the exactness property whose chunks cut the Linear bias inside
+    (up.bias 0:6 and 6:10; 3 chunks, rows) with 16 tokens a step: a token sum whose bits
+    depend on the slice (torch's sum(0) for token_sum) fails it."""
+    problem = ChunkProblem(vocab=7, width=9, hidden=10, batch=2, length=8, seed=24520513)
+    chunkft.chunk_step_matches_dense(problem, fk.SGD(lr=0.1), Regime(), 3, "rows", cycles=1)
 
 
 @pytest.mark.parametrize("kind, bias", [("layer_norm", True), ("layer_norm", False), ("rms_norm", False)])
