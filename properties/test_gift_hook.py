@@ -58,7 +58,7 @@ def test_exchange_averages_what_every_rank_sent(world, fmt, route, shape, rank_p
 @pytest.mark.parametrize("fmt, route", [("e4m3", "plain"), ("e5m2", "plain"), ("nvfp4", "plain"), ("e4m3", "gift")])
 def test_a_gradient_that_stays_zero_never_turns_nan(fmt, route, exchange, rank_pool):
     """A branch gated off after step 0 sends exact zeros from then on, plus its residual,
-    which shrinks about 30-fold a step under error feedback: at step 22 its amax fell below
+    which shrinks about 30-fold a step under error feedback: around step 20 its amax fell below
     448 / FLT_MAX, the scale max / amax overflowed to inf and 0 · inf made NaN codes (NaN
     in the weights on the all-gather, a refused "overflowed" sum on the reduce-scatter).
     40 steps: finite throughout, the residual decayed to fp32's smallest values."""
@@ -70,6 +70,9 @@ def test_a_gradient_that_stays_zero_never_turns_nan(fmt, route, exchange, rank_p
 
 @pytest.mark.parametrize("world, fmt", [(2, "e4m3"), (2, "nvfp4"), (4, "e5m2")])
 def test_factors_and_parameters_identical_on_every_rank(world, fmt, rank_pool):
+    """Every rank is given another damping, so its own factors would differ from the first
+    rank's (they did when review replaced ``Whitening.broadcast`` by a no-op while every rank
+    still computed them; now the other ranks hold zeros until the broadcast)."""
     results = rank_pool(world).run(gift_jobs.gift_training_digests, 11, fmt, 7, 3)
     factor_digests, parameter_digests = results[0]
     assert [step for step, _, _ in factor_digests] == [0, 0, 3, 3, 6, 6]  # two layers, steps 0, 3, 6
@@ -77,6 +80,23 @@ def test_factors_and_parameters_identical_on_every_rank(world, fmt, rank_pool):
     for rank, (factors, parameters) in enumerate(results[1:], start=1):
         assert factors == factor_digests, f"rank {rank}'s factors differ"
         assert parameters == parameter_digests, f"rank {rank}'s parameters differ"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_factors_are_computed_on_the_first_rank_only(world, rank_pool):
+    """One float64 eigendecomposition per refresh, on the group's first rank; the others
+    receive its factors (equal digests, though every rank's covariance was its own)."""
+    results = rank_pool(world).run(gift_jobs.factor_computations, 7)
+    assert [calls for calls, _ in results] == [1] + [0] * (world - 1), results
+    assert len({digest for _, digest in results}) == 1
+
+
+def test_a_transform_the_first_rank_cannot_compute_is_refused_on_every_rank(rank_pool):
+    """The source alone computes the factors, so it alone can fail; it tells the others
+    (a rank of -1) before raising, so that none waits for factors that never come."""
+    source, other = rank_pool(2).run(gift_jobs.singular_transform)
+    assert source is not None and "discarded eigenvalues are all zero" in source, source
+    assert other is not None and "first rank (0) could not compute" in other, other
 
 
 @pytest.mark.stats

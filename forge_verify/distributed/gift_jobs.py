@@ -124,12 +124,15 @@ def _digest(tensors) -> str:
 
 def gift_training_digests(seed: int, fmt: str, steps: int, refresh_every: int):
     """DDP training with the GIFT hook (whitening, rank 8) on rank-specific data: the
-    factor digests after every refresh and the parameters' digest after every step."""
+    factor digests after every refresh and the parameters' digest after every step. Each
+    rank's damping differs (1e-3 · (rank + 1)), so factors computed from the all-reduced
+    covariance on each rank would differ: equal digests show that every rank holds the
+    first rank's factors, which only the broadcast gives it."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     ddp = DistributedDataParallel(model)
-    state = fk.gift.GiftState(None, fmt, 8, refresh_every, layers=[model[0], model[2]])
+    state = fk.gift.GiftState(None, fmt, 8, refresh_every, layers=[model[0], model[2]], damping=1e-3 * (rank + 1))
     ddp.register_comm_hook(state, fk.gift.gift_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -185,6 +188,31 @@ def gated_branch_training(seed: int, fmt: str, exchange: str, route: str, steps:
             return step, None, None
         optimizer.step()
     return None, None, float(state.residuals[id(model.b.weight)].abs().max())
+
+
+def factor_computations(seed: int, features: int = 24, rank: int = 4):
+    """``agreed_whitening`` of a rank-specific covariance: (how many times this rank ran
+    ``Whitening.from_covariance``, the factors' digest)."""
+    from unittest import mock
+
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    x = torch.randn(64, features, generator=g)
+    with mock.patch.object(fk.gift.Whitening, "from_covariance", wraps=fk.gift.Whitening.from_covariance) as spy:
+        whitening, _ = fk.gift.agreed_whitening(x.T @ x / 64, features, rank, 1e-3)
+    return spy.call_count, whitening.digest()
+
+
+def singular_transform(features: int = 8):
+    """``agreed_whitening`` of a rank-one covariance without damping, whose discarded
+    eigenvalues are all zero, so the first rank cannot compute the transform: the error
+    each rank raised (every rank must raise, none wait)."""
+    A = torch.zeros(features, features)
+    A[0, 0] = 1.0
+    try:
+        fk.gift.agreed_whitening(A, features, 2, 0.0)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _ledger_state(layer, exchange: str):

@@ -18,7 +18,7 @@ cuSOLVER's; the factors are computed on one rank and broadcast, so that is harml
 The factors must be bit-identical on every rank: ``broadcast`` sends rank ``src``'s to
 the others (kfac-pytorch's pattern); ``digest`` hashes them for checking;
 ``agreed_whitening`` does both steps for a rank-local covariance (all-reduce, compute on
-the group's first rank, broadcast).
+the group's first rank only, broadcast into factors of the same shape on the others).
 """
 
 import contextlib
@@ -75,6 +75,15 @@ class Whitening:
         one = torch.ones((), dtype=torch.float32, device=device)
         return cls(torch.zeros(features, 0, device=device), torch.zeros(0, device=device),
                    torch.zeros(0, device=device), one, one.clone(), torch.ones(1, dtype=torch.float64, device=device))
+
+    @classmethod
+    def zeros(cls, features: int, rank: int, device=None) -> "Whitening":
+        """Factors of a rank-``rank`` transform, all zero: what a broadcast is received into."""
+        def f32(*shape):
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+
+        return cls(f32(features, rank), f32(rank), f32(rank), f32(), f32(),
+                   torch.zeros(rank + 1, dtype=torch.float64, device=device))
 
     @classmethod
     def from_covariance(cls, A: torch.Tensor, rank: int, damping: float = 1e-3) -> "Whitening":
@@ -139,12 +148,8 @@ class Whitening:
         return h.hexdigest()
 
     def broadcast(self, src: int = 0, group=None) -> "Whitening":
-        """Rank ``src``'s factors on every rank of ``group`` (shapes must agree already)."""
-        rank = torch.tensor([self.rank], dtype=torch.int64, device=wire_device(group))
-        dist.broadcast(rank, src, group=group)
-        if int(rank) != self.rank:
-            raise ValueError(f"rank {dist.get_rank(group)} holds a rank-{self.rank} transform, rank {src} "
-                             f"a rank-{int(rank)} one")
+        """Rank ``src``'s factors on every rank of ``group``, in place; the shapes must agree
+        already (``agreed_whitening`` broadcasts the source's rank first)."""
         for t in self.tensors():
             dist.broadcast(t, src, group=group)
         return self
@@ -157,8 +162,12 @@ class Whitening:
 def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
     """One transform for every rank of ``group`` from this rank's covariance ``A`` (None
     when this rank recorded nothing): the ranks' A averaged by an all-reduce (a rank that
-    recorded nothing adds zeros), the factors computed on the group's first rank and broadcast. None when
-    no rank recorded anything. Returns (whitening, bytes this rank put into collectives)."""
+    recorded nothing adds zeros), the factors computed on the group's first rank only (one
+    float64 ``eigh``, not one per rank) and broadcast: first their rank (which the source
+    knows only after computing them: 0 for an all-zero A), or -1 if it could not compute
+    them, so that every rank raises instead of the others waiting for factors that never
+    come; then the factors, into zeros of that shape on the other ranks. None when no rank
+    recorded anything. Returns (whitening, bytes this rank put into collectives)."""
     device = wire_device(group)
     recorded = torch.tensor([0 if A is None else 1], dtype=torch.int64, device=device)
     dist.all_reduce(recorded, group=group)
@@ -167,10 +176,24 @@ def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
     total = torch.zeros(features, features, device=device) if A is None else A.clone()
     dist.all_reduce(total, group=group)
     total /= dist.get_world_size(group)
-    whitening = Whitening.from_covariance(total, rank, damping)
     source = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)[0]
+    whitening, failure = None, None
+    if dist.get_rank() == source:
+        try:
+            whitening = Whitening.from_covariance(total, rank, damping)
+        except Exception as error:  # noqa: BLE001 - raised below, after the other ranks are told
+            failure = error
+    kept = torch.tensor([whitening.rank if whitening is not None else -1], dtype=torch.int64, device=device)
+    dist.broadcast(kept, source, group=group)  # the other ranks' -1 is overwritten
+    if failure is not None:
+        raise failure
+    if int(kept) < 0:
+        raise ValueError(f"the group's first rank ({source}) could not compute GIFT's transform from the "
+                         "all-reduced covariance; its error says why")
+    if whitening is None:
+        whitening = Whitening.zeros(features, int(kept), device)
     whitening.broadcast(source, group)
-    return whitening, recorded.numel() * 8 + total.numel() * 4 + 8 + whitening.nbytes()
+    return whitening, recorded.numel() * 8 + total.numel() * 4 + kept.numel() * 8 + whitening.nbytes()
 
 class CovarianceTracker:
     """fp32 sums of xᵀx over a window of forward calls, one per tracked ``nn.Linear``
