@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import forge_kernels as fk
 from forge_verify.gate import baseline as gate
 from forge_verify.gate.cases import canonical_cases
 
@@ -93,7 +94,8 @@ def test_update_is_refused_past_a_proven_bound(sgd_case, tmp_path, monkeypatch, 
 
 
 def _entry(**statistics):
-    return {"fingerprints": {"weight": {"dtype": "float32", "shape": [2], "sha256": "a" * 64, "ulp_sum": 0}},
+    return {"case": {"config": "TileConfig(block_n=16)", "kernel": "fused_weight_update"},
+            "fingerprints": {"weight": {"dtype": "float32", "shape": [2], "sha256": "a" * 64, "ulp_sum": 0}},
             "statistics": dict(outside_enclosure=0, enclosure_use=0.5, reference_max_ulp=10.0, **statistics)}
 
 
@@ -119,3 +121,45 @@ def test_statistics_fail_past_their_bound_or_margin(sgd_case):
     biased["statistics"]["exact_bias_ulp"] = -0.3
     assert "exact_bias_ulp regressed from 0.1 to 0.3" in gate.compare(sgd_case, _entry(exact_bias_ulp=0.1),
                                                                       biased)[0]
+
+
+def test_a_changed_case_definition_fails(sgd_case, tmp_path, monkeypatch, capsys):
+    """The canonical tile config changed under an unchanged case key: the recorded bits
+    belong to another case, whether or not they happen to match."""
+    from forge_verify.gate import cases, measure
+
+    path = tmp_path / "gate.json"
+    gate.run_gate(path, update=True)
+    other = fk.TileConfig(block_n=64, block_k=64, block_t=16)
+    monkeypatch.setattr(cases, "CONFIG", other)
+    monkeypatch.setattr(measure, "CONFIG", other)
+    capsys.readouterr()
+    assert gate.run_gate(path) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: {WHERE} (float32 activations, 3 steps, seed 3): the case definition changed since the " \
+           f"baseline was recorded (config: TileConfig(block_n=16, block_k=32, block_t=16" in out
+    assert "-> TileConfig(block_n=64, block_k=64, block_t=16" in out and "case changed" in out
+
+
+@pytest.mark.parametrize("name", ["enclosure_use", "reference_max_ulp", "exact_bias_ulp"])
+def test_a_nan_statistic_fails(sgd_case, name):
+    """Every comparison with NaN is false: neither the bound nor the regression margin
+    would see one without asking."""
+    recorded = _entry(exact_bias_ulp=0.1)
+    nan = _entry(exact_bias_ulp=0.1)
+    nan["statistics"][name] = float("nan")
+    assert f"{WHERE} (float32 activations, 3 steps, seed 3): {name} is NaN; a statistic must be a number to " \
+           f"be compared" in gate.compare(sgd_case, recorded, nan)
+
+
+def test_update_refuses_a_nan_statistic(sgd_case, tmp_path, monkeypatch, capsys):
+    real_measure = gate.measure
+
+    def nan(*args):
+        result = real_measure(*args)
+        result["statistics"]["reference_max_ulp"] = float("nan")
+        return result
+
+    monkeypatch.setattr(gate, "measure", nan)
+    assert gate.run_gate(tmp_path / "gate.json", update=True) == 1
+    assert "reference_max_ulp is NaN" in capsys.readouterr().out and not (tmp_path / "gate.json").exists()

@@ -19,6 +19,7 @@ refusing when a proven bound is exceeded, and prints the diff for review.
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -74,14 +75,32 @@ def _stat_change(name, old, new) -> str:
 
 
 def bound_failures(case, statistics) -> list:
-    return [f"{_where(case)}: {name} = {statistics[name]:.6g} exceeds its proven bound {bound} "
-            f"(proofs/reference_enclosure.md)"
-            for name, bound in PROVEN_BOUNDS.items() if name in statistics and statistics[name] > bound]
+    """A statistic past its proven bound, or NaN anywhere (which no comparison would catch:
+    every comparison with NaN is false, and a baseline must never record one)."""
+    failures = [f"{_where(case)}: {name} is NaN; a statistic must be a number to be compared"
+                for name in sorted(statistics) if math.isnan(statistics[name])]
+    return failures + [f"{_where(case)}: {name} = {statistics[name]:.6g} exceeds its proven bound {bound} "
+                       f"(proofs/reference_enclosure.md)"
+                       for name, bound in PROVEN_BOUNDS.items() if name in statistics and statistics[name] > bound]
+
+
+def _case_change(recorded: dict, measured: dict) -> str:
+    """What differs between the recorded and the measured case definition ('' if nothing)."""
+    old, new = recorded["case"], measured["case"]
+    return "; ".join(f"{field}: {old.get(field)} -> {new.get(field)}"
+                     for field in sorted(set(old) | set(new)) if old.get(field) != new.get(field))
 
 
 def compare(case, recorded: dict, measured: dict) -> list:
-    """Messages for every way ``measured`` fails against the ``recorded`` baseline entry."""
+    """Messages for every way ``measured`` (with its "case" description) fails against the
+    ``recorded`` baseline entry. A case whose definition changed is not compared further:
+    its bits and statistics belong to another case."""
     failures = bound_failures(case, measured["statistics"])
+    changed = _case_change(recorded, measured)
+    if changed:
+        return failures + [f"{_where(case)}: the case definition changed since the baseline was recorded "
+                           f"({changed}), so its bits and statistics cannot be compared; review the change and "
+                           f"record the baseline again with {UPDATE_COMMAND[current_backend()]}"]
     old_stats, new_stats = recorded["statistics"], measured["statistics"]
     moved = [_stat_change(name, old_stats[name], new_stats[name])
              for name in sorted(new_stats) if name in old_stats and new_stats[name] != old_stats[name]]
@@ -99,7 +118,7 @@ def compare(case, recorded: dict, measured: dict) -> list:
     for name, slack in REGRESSION_SLACK.items():
         if name in old_stats and name in new_stats:
             old, new = abs(old_stats[name]), abs(new_stats[name])
-            if new > old * (1 + REGRESSION_MARGIN) + slack:
+            if not new <= old * (1 + REGRESSION_MARGIN) + slack:  # NaN fails too
                 failures.append(f"{_where(case)}: {name} regressed from {old:.6g} to {new:.6g} "
                                 f"(+{(new - old) / max(old, 1e-300):.0%}, margin {REGRESSION_MARGIN:.0%} + {slack:g})")
     return failures
@@ -135,6 +154,8 @@ def _summary_row(case, measured, recorded) -> tuple:
     stats = measured["statistics"]
     if recorded is None:
         bits = "no baseline"
+    elif _case_change(recorded, measured):
+        bits = "case changed"
     else:
         bits = "same" if recorded["fingerprints"] == measured["fingerprints"] else "CHANGED"
     drift = f"{stats['exact_max_ulp']:.3g}" if "exact_max_ulp" in stats else "-"
@@ -160,13 +181,13 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
         result = measure(case, device, _TOLERANCE_BACKEND[here], exact_cache)
         measured[case.key] = {"case": case.describe(), **result}
         recorded = recorded_cases.get(case.key)
-        rows.append(_summary_row(case, result, recorded))
+        rows.append(_summary_row(case, measured[case.key], recorded))
         if update or section is None:
             failures += bound_failures(case, result["statistics"])
         elif recorded is None:
             failures.append(f"{case.key}: canonical case has no baseline entry on {here}")
         else:
-            failures += compare(case, recorded, result)
+            failures += compare(case, recorded, measured[case.key])
         if fail_fast and failures:
             break
     print(f"forge-verify gate on {here} ({provenance()['device']}, torch {torch.__version__}, "
