@@ -185,12 +185,7 @@ class CallDraws:
     def kernel_base(target) -> bool:
         """Whether the target's U is drawn by the kernel: on a device ``kernels_for``
         and with every counter of the target (row-major in the whole) in one stream."""
-        if not kernels_for(target.param.device):
-            return False
-        if not target.is_matrix:
-            return fits_one_stream(target.row_offset + target.rows - 1)
-        return fits_one_stream((target.row_offset + target.rows - 1) * target.full_cols + target.col_offset
-                               + target.cols - 1)
+        return kernels_for(target.param.device) and fits_one_stream(target.last_base_counter)
 
     def base(self, target, rows) -> torch.Tensor:
         """U at ``rows`` (a row-index tensor) of a matrix target, or the whole of a vector

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draws import COL, ROW
+from .draws import COL, ROW, fits_one_stream
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _SUPPORTED_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
@@ -90,6 +90,13 @@ class Target:
         return self.param.shape[1] if self.is_matrix else 0
 
     @property
+    def last_base_counter(self) -> int:
+        """The last counter of U: its last element's row-major index in the whole."""
+        if not self.is_matrix:
+            return self.row_offset + self.rows - 1
+        return (self.row_offset + self.rows - 1) * self.full_cols + self.col_offset + self.cols - 1
+
+    @property
     def work_dtype(self) -> torch.dtype:
         """float64 for a float64 parameter, float32 otherwise (bf16 is computed in fp32)."""
         return torch.float64 if self.param.dtype == torch.float64 else torch.float32
@@ -142,6 +149,12 @@ def find_targets(model: nn.Module, method: str, shards=None) -> list:
     checked = check_shards([(t.name, t.param) for t in targets], shards, method)
     for target in targets:
         target.shard = checked.get(target.name)
+        # U is drawn whole by the update but only in part by an embedding's hook (its used
+        # rows): an overflow would surface after other targets had been updated
+        if not fits_one_stream(target.last_base_counter):
+            raise ValueError(f"{method}: parameter '{target.name}' draws U at counters up to "
+                             f"{target.last_base_counter} (its place in the whole, shards), past a "
+                             f"stream's 2**32")
     return targets
 
 
