@@ -49,12 +49,17 @@ _MODULE_HOOK_REGISTRIES = tuple(name for name in vars(nn.Module()) if "hook" in 
 
 
 class _PendingUse:
-    """Marks one forward whose backward has not run; dies with the autograd graph."""
+    """Marks one forward whose backward has not run; dies with the autograd graph.
+    ``weight_version``: the weight's version counter at the forward. ``replay``: a
+    forward run again by activation checkpointing for its saved tensors, which takes no
+    step."""
 
-    __slots__ = ("__weakref__", "consumed")
+    __slots__ = ("__weakref__", "consumed", "weight_version", "replay")
 
-    def __init__(self):
+    def __init__(self, weight_version, replay=False):
         self.consumed = False
+        self.weight_version = weight_version
+        self.replay = replay
 
 
 class ForgeLinearFunction(torch.autograd.Function):
@@ -71,14 +76,22 @@ class ForgeLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.use.replay:
+            # Only a backward inside the checkpointed function reaches a replayed forward's graph.
+            raise RuntimeError(f"a backward ran through fused layer {ctx.layer.forge_name!r} as activation "
+                               "checkpointing recomputed it (a backward inside the checkpointed function, or a "
+                               "layer called both inside a use_reentrant=True region and outside it?): its weight "
+                               "would be stepped a second time")
         # Checked before unpacking: the weight's bumped version would otherwise raise a
         # less helpful autograd error for the same mistake.
         if ctx.use.consumed:
             raise RuntimeError(f"backward ran twice through fused layer {ctx.layer.forge_name!r} "
                                "(retain_graph?): its weight would be stepped twice")
+        # Unpacked while the use is still pending, so that the forward replay this may start
+        # (torch.utils.checkpoint with use_reentrant=False) knows it for one.
+        x, weight = ctx.saved_tensors
         ctx.use.consumed = True
         ctx.layer._pending.discard(ctx.use)
-        x, weight = ctx.saved_tensors
         dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
         db = None
@@ -115,6 +128,13 @@ class ForgeLinear(nn.Linear):
 
     The input's dtype must be the weight's, as for ``nn.Linear`` (a RuntimeError naming
     the layer otherwise), unless ``torch.autocast`` is on for its device.
+
+    Activation checkpointing (``torch.utils.checkpoint``, reentrant or not) works: a
+    forward with grad inside a backward is its replay. A non-reentrant replay of a call
+    whose backward is pending only recomputes the saved tensors (its graph steps nothing);
+    a reentrant one is the call that steps. Either is refused when the weight has changed
+    since the forward it replays (a layer in two checkpointed regions, or a region
+    backwarded in parts), since its activations would not be that forward's.
 
     A checkpoint (``state_dict()``) of the layer holds ``weight`` and ``bias``, the
     state buffers, ``forge_step``, ``forge_seed`` and ``_extra_state``: the rule's class
@@ -198,6 +218,9 @@ class ForgeLinear(nn.Linear):
             weight_slice_of(self.weight) if is_dtensor(self.weight) else None)
         self.forge_name = name or "ForgeLinear"
         self._pending = weakref.WeakSet()
+        # The weight's version counter at the last forward: a checkpointed forward's replay
+        # must find the weight unchanged.
+        self._forward_version = None
         self._failed_step = None
         # The unchecked step of report="defer": (UpdateReport, step, advance), or None.
         self._unchecked = None
@@ -380,7 +403,13 @@ class ForgeLinear(nn.Linear):
 
     def forward(self, x):
         self._check_input_dtype(x)
-        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+        taking_gradient = torch.is_grad_enabled() and self.weight.requires_grad
+        # A forward with grad inside a backward is activation checkpointing's replay of one.
+        replay = taking_gradient and _inside_backward()
+        if replay:
+            self._check_replay()
+        self._forward_version = self.weight._version
+        if not taking_gradient:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if is_dtensor(self.weight) != self._fused_on_dtensor:
             raise RuntimeError(f"the weight of fused layer {self.forge_name!r} was replaced after fuse (e.g. by "
@@ -388,15 +417,34 @@ class ForgeLinear(nn.Linear):
                                "weight. Apply parallelize_module first, then fk.fuse")
         if is_dtensor(self.weight):
             check_input_layout(self.weight, x)
+        if replay and len(self._pending):
+            # torch.utils.checkpoint(use_reentrant=False) recomputing the forward whose backward
+            # is pending, for its saved tensors: this graph is dropped, and steps nothing.
+            return ForgeLinearFunction.apply(x, self.weight, self.bias, self,
+                                             _PendingUse(self.weight._version, replay=True))
         if len(self._pending):
             raise RuntimeError(
                 f"fused layer {self.forge_name!r} was called again before the backward of its previous call: "
                 "a fused weight takes exactly one gradient per step, so tied or reused weights are refused "
                 "(they would be stepped twice or lose a contribution). If the earlier output is no longer "
                 "needed, drop it first; run forwards that take no step under torch.no_grad()")
-        use = _PendingUse()
+        use = _PendingUse(self.weight._version)
         self._pending.add(use)
         return ForgeLinearFunction.apply(x, self.weight, self.bias, self, use)
+
+    def _check_replay(self):
+        """Refuse a forward replayed inside a backward (activation checkpointing, reentrant or
+        not) whose weight is not the one the forward it replays used: the pending call's,
+        else (``use_reentrant=True`` runs the first forward without grad) the last call's."""
+        pending = next(iter(self._pending), None)
+        expected = pending.weight_version if pending is not None else self._forward_version
+        if expected is not None and self.weight._version != expected:
+            raise RuntimeError(
+                f"fused layer {self.forge_name!r} is run again inside a backward (activation checkpointing "
+                "recomputing a forward) after its weight was stepped or written since that forward: it would "
+                "compute other activations than the forward did. A fused layer may be called once per step, in "
+                "one checkpointed region, and the region's backward taken at once (not a part with "
+                "torch.autograd.grad first)")
 
     def _refuse_outside_gradient(self, grad):
         # The layer's own backward reports "no gradient" (None) to this hook.
@@ -513,6 +561,13 @@ class ForgeLinear(nn.Linear):
 
 
 _ABSENT = object()  # a hyperparameter one side does not record
+
+
+def _inside_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread, where activation
+    checkpointing replays forwards (the private call torch.utils.checkpoint itself uses
+    to tell one backward from another)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _recorded_hyperparameters(rule) -> dict:

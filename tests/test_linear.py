@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import forge_kernels as fk
 from forge_verify import assert_bitwise_equal
@@ -113,6 +114,74 @@ def test_reused_layer_is_refused(device):
     x = torch.randn(3, 6, device=device)
     with pytest.raises(RuntimeError, match="called again before the backward"):
         layer(layer(x))
+
+
+class _Checkpointed(nn.Module):
+    """Two blocks, each run under torch.utils.checkpoint."""
+
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12)) for _ in range(2))
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if self.use_reentrant is None else checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return x
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("use_reentrant, early_stop", [(False, True), (False, False), (True, True)],
+                         ids=["non_reentrant", "non_reentrant_no_early_stop", "reentrant"])
+def test_activation_checkpointing_trains_bitwise_as_without(use_reentrant, early_stop, device):
+    """The recomputed forward is recognised (a forward with grad inside a backward) and
+    steps nothing; each layer steps once, from the activations it would have saved.
+    Non-reentrant checkpointing used to be refused as a reused layer."""
+    models = []
+    for reentrant in (None, use_reentrant):
+        torch.manual_seed(0)
+        models.append(fk.fuse(_Checkpointed(reentrant).to(device), fk.AdamW(lr=1e-2)))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(5, 12, generator=gen).to(device).requires_grad_()
+        for model in models:
+            with set_checkpoint_early_stop(early_stop):
+                model(x).square().mean().backward()
+    plain, checkpointed = (model.state_dict() for model in models)
+    for name, value in plain.items():
+        assert_bitwise_equal(checkpointed[name], value, name)
+    assert {int(layer.forge_step) for layer in fk.fused_layers(models[1])} == {2}
+
+
+def test_layer_in_two_reentrant_checkpointed_regions_is_refused(device):
+    """Reentrant checkpointing runs the first forward without grad, so a layer called in two
+    regions is not refused there; the second region's replay finds the weight the first
+    region's backward stepped, and is refused (it used to step the layer twice)."""
+    layer = fk.ForgeLinear(8, 8, rule=fk.SGD(lr=0.1), device=device)
+    block = nn.Sequential(layer, nn.Tanh())
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    out = checkpoint(block, checkpoint(block, x, use_reentrant=True), use_reentrant=True)
+    with pytest.raises(RuntimeError, match="is run again inside a backward .* after its weight was stepped"):
+        out.sum().backward()
+    assert int(layer.forge_step) == 1
+
+
+def test_checkpointed_region_backwarded_in_parts_is_refused(device):
+    """A second backward into a non-reentrant region recomputes it again, by then from a
+    stepped weight: the activations would not be the forward's."""
+    first, second = (fk.ForgeLinear(8, 8, rule=fk.SGD(lr=0.1), device=device) for _ in range(2))
+
+    def region(x):
+        hidden = first(x)
+        return hidden, second(hidden.detach().tanh())
+
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    hidden, out = checkpoint(region, x, use_reentrant=False)
+    torch.autograd.grad(hidden.sum(), x)
+    assert int(first.forge_step) == 1
+    with pytest.raises(RuntimeError, match="'ForgeLinear' is run again inside a backward"):
+        out.sum().backward()
+    assert int(second.forge_step) == 0
 
 
 def test_second_backward_through_retained_graph_is_refused(device):
