@@ -1,6 +1,7 @@
-"""GIFT's hook is asynchronous (``GiftState(overlap=True)``, the default): it returns a
-future before the collectives complete, the reduction runs on the state's communication
-thread, and the bits are those of reducing inside the hook (``overlap=False``). A
+"""GIFT's hook is asynchronous (``GiftState(overlap=True)``, which the default, None,
+chooses on gloo with CPU gradients, as here): it returns a future before the collectives
+complete, the reduction runs on the state's communication thread, and the bits are those
+of reducing inside the hook (``overlap=False``). A
 non-finite gradient on one rank makes every rank refuse together. A hook saved with
 ``state_dict`` and loaded into a fresh one continues bit for bit. Jobs in
 ``forge_verify/distributed/gift_selection_jobs.py``; 2 gloo ranks."""

@@ -151,3 +151,55 @@ def test_codec_amax_lives_on_the_gradients_device(key, numel, monkeypatch):
     monkeypatch.setattr(nvfp4, "_check", lambda x: None)
     fmt, scaling = key.split("-")
     assert CODECS[fmt, scaling].amax(torch.empty(numel, device="meta")).device.type == "meta"
+
+
+class _Bucket:
+    """What ``gift_hook`` reads of DDP's ``GradBucket``: a bucket of no parameters, whose
+    reduction issues no collective, so the hook runs without a process group."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return []
+
+    def is_last(self):
+        return False
+
+
+@pytest.mark.parametrize("backend, device, threaded", [("gloo", "cpu", True), ("nccl", "cpu", False),
+                                                       ("gloo", "meta", False)])
+def test_overlap_by_default_only_where_the_thread_works(backend, device, threaded, monkeypatch):
+    """The default (None) reduces on the communication thread for a gloo group with CPU
+    gradients, inline elsewhere: the thread's current CUDA device is cuda:0 on every rank.
+    NCCL is stood in for by the backend's name, CUDA gradients by the meta device."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    state = fk.gift.GiftState(None, "e4m3", layers=())
+    buffer = torch.zeros(4, device=device)
+    future = fk.gift.gift_hook(state, _Bucket(buffer))
+    assert future.wait() is buffer
+    assert (state._worker is not None) == threaded
+    state.close()
+
+
+def test_overlap_is_refused_where_the_thread_does_not_work(monkeypatch):
+    """``overlap=True`` with NCCL: refused at construction when the group exists, else at
+    the first bucket; with gloo, refused for gradients off the CPU (the meta device stands
+    in for CUDA)."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    state = fk.gift.GiftState(None, "e4m3", layers=(), overlap=True)  # no group yet: checked at the first bucket
+    with pytest.raises(ValueError, match="not nccl"):
+        fk.gift.gift_hook(state, _Bucket(torch.zeros(4)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="overlap=True reduces on a thread"):
+        fk.gift.GiftState(None, "e4m3", layers=(), overlap=True)
+    assert fk.gift.GiftState(None, "e4m3", layers=(), overlap=False).overlap is False
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    state = fk.gift.GiftState(None, "e4m3", layers=(), overlap=True)
+    with pytest.raises(ValueError, match="not gloo with meta gradients"):
+        fk.gift.gift_hook(state, _Bucket(torch.zeros(4, device="meta")))
+    with pytest.raises(ValueError, match="overlap must be"):
+        fk.gift.GiftState(None, "e4m3", layers=(), overlap="yes")

@@ -42,18 +42,22 @@ refreshes (or a state is loaded at another world size, so its shard moves) the o
 folds the shard residual into its own first residual, which carries it into the sum all
 the same.
 
-Asynchrony (``overlap=True``, the default): the hook returns at once; the bucket's whole
-reduction (refreshes, collectives, codec) runs on the state's one communication thread,
-buckets in the order DDP hands them over, and completes the returned future. One thread
+Asynchrony (``overlap=True``; the default, None, chooses it where it is supported, a gloo
+group reducing CPU tensors, and reduces inline elsewhere): the hook returns at once; the
+bucket's whole reduction (refreshes, collectives, codec) runs on the state's one
+communication thread, buckets in the order DDP hands them over, and completes the
+returned future. One thread
 and not PowerSGD's chain of ``.then`` callbacks: gloo completes a future on one of its
 worker threads, so collectives issued from callbacks of several buckets in flight would
 be issued in an order that can differ between ranks, and gloo pairs collectives by their
 order. The same thread keeps every GIFT collective in bucket order on every rank; DDP
 options that issue collectives of their own during backward (``find_unused_parameters``)
-are not supported with it, and it has run on gloo only (the thread does not carry the
-caller's CUDA device, stream or events: use ``overlap=False`` on GPUs until NCCL is
-tested). ``overlap=False`` reduces inside the hook (the bits are the same: the same code
-runs on the same data).
+are not supported with it, and it has run on gloo with CPU tensors only: the thread does
+not carry the caller's CUDA device, stream or events (its current device is cuda:0 on
+every rank), so ``overlap=True`` is refused (ValueError) for another backend, at
+construction when the process group exists by then, else at the first bucket, and for
+gradients that are not on the CPU. ``overlap=False`` reduces inside the hook (the bits are
+the same: the same code runs on the same data).
 
 The wire format ``"fp32"`` is the identity codec: the fp32 bytes travel the same
 path as codes would (either exchange), for checking the path itself.
@@ -87,8 +91,8 @@ class GiftState:
     ``transform`` "whitening" or "identity" (the GIFT route's machinery with T = I, for
     checking it); ``scaling`` "current" (format max / amax) or, for the FP8 formats,
     "power_of_two" (rounded down to a power of two: decoding is then exact, at up to one
-    bit of range); ``exchange`` "reduce_scatter" or "all_gather" and ``overlap`` (the
-    module docstring). The default exchange is the reduce-scatter: it never receives more
+    bit of range); ``exchange`` "reduce_scatter" or "all_gather" and ``overlap`` True, False
+    or None (the module docstring). The default exchange is the reduce-scatter: it never receives more
     code bytes than the all-gather (as many at 2 ranks, up to padding; fewer from 3 on,
     (n − 1) against 2 (n − 1)/n payloads), and only it saves bytes at scale; the
     all-gather quantizes once, so it is the exact one (shared-scale E4M3 sums, proofs
@@ -110,7 +114,7 @@ class GiftState:
     def __init__(self, process_group, fmt: str, rank: int = 32, refresh_every: int = 50, layers=(), *,
                  damping: float = 1e-3, unselected: str = "plain", error_feedback: bool = True,
                  transform: str = "whitening", scaling: str = "current", exchange: str = "reduce_scatter",
-                 overlap: bool = True):
+                 overlap: bool | None = None):
         if fmt not in WIRE_FORMATS:
             raise ValueError(f"unknown wire format {fmt!r}; one of {WIRE_FORMATS}")
         if unselected not in ("plain", "fp32"):
@@ -124,10 +128,16 @@ class GiftState:
         if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
             raise ValueError(f"refresh_every must be a positive integer, got {refresh_every!r}")
         check_rank_and_damping(rank, damping)  # here, not in DDP's backward at the first refresh
+        if overlap not in (None, True, False):
+            raise ValueError(f"overlap must be True, False or None (where supported), got {overlap!r}")
+        if overlap and dist.is_initialized():
+            self._check_overlap(dist.get_backend(process_group), None)
         self.process_group = process_group
         self.fmt, self.rank, self.refresh_every, self.damping = fmt, rank, refresh_every, damping
         self.unselected, self.error_feedback, self.transform = unselected, error_feedback, transform
         self.scaling, self.exchange_kind, self.overlap = scaling, exchange, overlap
+        #: whether buckets reduce on the communication thread, settled at the first bucket
+        self._overlapping = None
         self.selection = layers if isinstance(layers, RangeHitSelection) else None
         self.layers = []
         self._layer_of_weight = {}
@@ -164,6 +174,26 @@ class GiftState:
             self.whitenings[index] = Whitening.identity(layer.in_features)
         if self.tracker is not None:
             self.tracker.add(layers)
+
+    @staticmethod
+    def _check_overlap(backend: str, device) -> None:
+        """Refuse ``overlap=True`` where the thread is not known to work (``device`` None: not
+        known yet)."""
+        if backend != "gloo" or (device is not None and device.type != "cpu"):
+            where = f"{backend}" + ("" if device is None else f" with {device.type} gradients")
+            raise ValueError(f"overlap=True reduces on a thread that does not carry the caller's CUDA device, stream "
+                             f"or events; it runs on gloo with CPU gradients only, not {where}: pass overlap=False "
+                             "(or None, which reduces inline there)")
+
+    def overlapping(self, device) -> bool:
+        """Whether buckets reduce on the communication thread, settled at the first bucket
+        (``device``: its gradients') and kept, so that every bucket goes the same way."""
+        if self._overlapping is None:
+            backend = dist.get_backend(self.process_group)
+            if self.overlap:
+                self._check_overlap(backend, device)
+            self._overlapping = (backend == "gloo" and device.type == "cpu") if self.overlap is None else self.overlap
+        return self._overlapping
 
     @property
     def world_size(self) -> int:
@@ -500,7 +530,7 @@ class GiftState:
 
 def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer, params, is_last = bucket.buffer(), bucket.parameters(), bucket.is_last()
-    if state.overlap:
+    if state.overlapping(buffer.device):
         return state.submit(buffer, params, is_last)
     fut = torch.futures.Future()
     fut.set_result(state.reduce_bucket(buffer, params, is_last))
