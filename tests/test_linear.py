@@ -166,6 +166,18 @@ def test_layer_in_two_reentrant_checkpointed_regions_is_refused(device):
     assert int(layer.forge_step) == 1
 
 
+def test_layer_inside_a_reentrant_region_and_outside_it_is_refused(device):
+    """The region's replay finds the outside call pending, so it is taken for a replay that
+    steps nothing, and the reentrant backward through it is refused."""
+    layer = fk.ForgeLinear(8, 8, rule=fk.SGD(lr=0.1), device=device)
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    out = checkpoint(nn.Sequential(layer, nn.Tanh()), layer(x), use_reentrant=True)
+    with pytest.raises(RuntimeError, match="a backward ran through fused layer 'ForgeLinear' as activation "
+                                           "checkpointing recomputed it"):
+        out.sum().backward()
+    assert int(layer.forge_step) == 0
+
+
 def test_checkpointed_region_backwarded_in_parts_is_refused(device):
     """A second backward into a non-reentrant region recomputes it again, by then from a
     stepped weight: the activations would not be the forward's."""
