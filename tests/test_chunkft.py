@@ -11,6 +11,7 @@ from forge_kernels.chunkft import sliced
 from forge_verify.checks import chunkft
 from forge_verify.checks.chunkft import ChunkProblem
 from forge_verify.checks.problems import Regime
+from forge_verify.numerics.bits import ulp_distance
 from forge_verify.numerics.tolerances import FP32_UNDERFLOW, UNIT_ROUNDOFF, accumulation_rtol
 
 
@@ -385,3 +386,71 @@ def test_state_is_made_on_first_visit_and_sized_to_the_chunks_slices(state_forma
         shape[dim] = stop - start
         for slot in ("exp_avg", "exp_avg_sq"):
             assert ctl.chunk_state(0)[name][slot].numel() == torch.Size(shape).numel()
+
+
+class _Branch(nn.Module):
+    """``b`` runs only when asked: a conditional branch, or an MoE expert given no tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def test_a_slice_whose_module_did_not_run_keeps_its_step_count(device):
+    """Each (tensor, chunk) slice counts the steps it was stepped in, as torch.optim counts
+    a parameter's steps only when it has a gradient: ``b``, skipped at the first step,
+    takes AdamW's first step (step 1's bias corrections) at the second, bitwise
+    ``fused_weight_update``'s at step 1; torch.optim.AdamW, stepping the plain model on
+    autograd's gradients, lands within the suite's 64 ulp of it (tests/test_interval.py)."""
+    torch.manual_seed(0)
+    model, plain = _Branch().to(device), _Branch().to(device)
+    plain.load_state_dict(model.state_dict())
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.0)
+    ctl = fk.ChunkFT(model, rule, chunks=1, seed=3)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    x = torch.randn(8, 4).to(device)
+    for use_b in (False, True):
+        a_before, b_before = model.a.weight.detach().clone(), model.b.weight.detach().clone()
+        ctl.step(lambda: model(x, use_b).square().sum())
+        optimizer.zero_grad(set_to_none=True)
+        plain(x, use_b).square().sum().backward()
+        optimizer.step()
+    assert ctl.slice_steps(0) == {"a.weight": 2, "b.weight": 1}
+    assert optimizer.state[plain.b.weight]["step"] == 1
+    h = F.linear(x, a_before)
+    expected = b_before.clone()
+    fk.fused_weight_update(h, 2 * F.linear(h, b_before), expected, rule.init_state(expected), rule, 1,
+                           seed=fk.chunkft.tensor_seed(3, 1))
+    assert torch.equal(model.b.weight.detach().view(torch.int32), expected.view(torch.int32))
+    assert int(ulp_distance(model.b.weight.detach(), plain.b.weight.detach()).abs().max()) < 64
+
+
+def test_slice_step_counts_resume_from_a_checkpoint_and_older_checkpoints_are_refused():
+    """A checkpoint holds each slice's step count: resumed after a step that skipped ``b``,
+    the run continues bit for bit. A checkpoint without them (saved when the counts were
+    per chunk, which cannot say what a step skipped) is refused by name."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    runs = []
+    for resume in (False, True):
+        torch.manual_seed(1)
+        model = _Branch()
+        ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), chunks=1)
+        for t, use_b in enumerate((False, True, True)):
+            if resume and t == 1:
+                saved = ctl.state_dict()
+                weights = model.state_dict()
+                model = _Branch()
+                model.load_state_dict(weights)
+                ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), chunks=1)
+                ctl.load_state_dict(saved)
+            ctl.step(lambda: model(x, use_b).square().sum())
+        runs.append([p.detach().view(torch.int32) for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    del saved["steps"]
+    with pytest.raises(ValueError, match=r"without per-slice step counts \('steps'\)"):
+        ctl.load_state_dict(saved)

@@ -7,8 +7,9 @@
   of the dense step (every parameter stepped whole, ``chunks=1``) on the same slices,
   weight and state, and leaves every other element bitwise untouched.
 * ``schedule_and_resume``: the active chunk at step t is (t // switch_every) mod chunks,
-  each chunk counts its own steps, and a run resumed from a checkpoint taken at any step
-  (mid-cycle included) continues bit for bit.
+  each chunk counts its visits and each of its slices the same steps (every module runs
+  in every step), and a run resumed from a checkpoint taken at any step (mid-cycle
+  included) continues bit for bit.
 * ``sgd_chunk_step_descends``: on a convex quadratic, each SGD chunk step with lr = 1/L_c
   satisfies the descent lemma f(θ⁺) ≤ f(θ) − ‖∇_c f‖²/(2L_c), up to a slack bounding
   the fp32 step's rounding (proofs/chunkft.md).
@@ -156,9 +157,10 @@ def _state_slice(tensor, key, piece, shape):
 def chunk_step_matches_dense(problem, rule, regime, chunks, split, cycles=2):
     """Over ``cycles`` cycles of ``chunks`` steps, each chunk step equals, on the chunk's
     slices, the dense step (``chunks=1``) taken from the same weights with the chunk's
-    state pasted into the dense state and the dense step count set to the chunk's own:
-    bitwise, weight and every state tensor. Nothing outside the slices moves. A later
-    visit's bits therefore show the chunk's own step count (bias corrections) at work."""
+    state pasted into the dense state and each tensor's dense step count set to its
+    slice's own: bitwise, weight and every state tensor. Nothing outside the slices
+    moves. A later visit's bits therefore show the slice's own step count (bias
+    corrections) at work."""
     batches = problem.batches(cycles * chunks)
     model = problem.model(regime.weight)
     ctl = _controller(model, rule, chunks, regime, split)
@@ -169,12 +171,12 @@ def chunk_step_matches_dense(problem, rule, regime, chunks, split, cycles=2):
         dense_model = copy.deepcopy(model)
         dense = _controller(dense_model, rule, 1, regime, split)
         checkpoint = dense.state_dict()
-        checkpoint["chunk_steps"] = [ctl.chunk_steps[c]]
+        checkpoint["steps"] = {f"{name}@0": count for name, count in ctl.slice_steps(c).items()}
         checkpoint["state"] = _dense_state(rule, regime, model, pieces, ctl.chunk_state(c))
         dense.load_state_dict(checkpoint)
         dense.step(lambda: _loss(dense_model, tokens, targets))
         ctl.step(lambda: _loss(model, tokens, targets))
-        what = (f"step {t}: chunk {c} of {chunks} ({split}), its step {ctl.chunk_steps[c]}, vs dense "
+        what = (f"step {t}: chunk {c} of {chunks} ({split}), its slices' steps {ctl.slice_steps(c)}, vs dense "
                 f"[{rule!r}; {problem.describe()}; {regime.describe()}]")
         state, dense_state = ctl.chunk_state(c), dense.chunk_state(0)
         dense_params = dict(dense_model.named_parameters())
@@ -240,6 +242,9 @@ def schedule_and_resume(problem, rule, regime, chunks, switch_every, split, step
         if list(ctl.chunk_steps) != visits:
             raise AssertionError(f"{what}: after step {t} chunk step counts {list(ctl.chunk_steps)}, "
                                  f"expected {visits}")
+        if set(ctl.slice_steps(expected).values()) != {visits[expected]}:
+            raise AssertionError(f"{what}: after step {t} chunk {expected}'s slices counted "
+                                 f"{ctl.slice_steps(expected)}, expected {visits[expected]} each")
     if order == "random":
         for cycle in range(-(-steps // (switch_every * chunks))):
             seen = sorted({ctl.chunk_at((cycle * chunks + p) * switch_every) for p in range(chunks)})
@@ -256,9 +261,10 @@ def schedule_and_resume(problem, rule, regime, chunks, switch_every, split, step
     (w_a, s_a), (w_b, s_b) = _snapshot(model, ctl), _snapshot(resumed, again)
     for name in w_a:
         assert_bitwise_equal(w_b[name], w_a[name], f"resumed at step {resume_at} {what}: {name!r}")
-    if s_a["chunk_steps"] != s_b["chunk_steps"] or s_a["position"] != s_b["position"]:
-        raise AssertionError(f"resumed at step {resume_at} {what}: schedule {s_b['position']}, "
-                             f"{s_b['chunk_steps']} vs {s_a['position']}, {s_a['chunk_steps']}")
+    schedule = ("position", "chunk_steps", "steps")
+    if any(s_a[key] != s_b[key] for key in schedule):
+        raise AssertionError(f"resumed at step {resume_at} {what}: schedule {[s_b[key] for key in schedule]} vs "
+                             f"{[s_a[key] for key in schedule]}")
     if set(s_a["state"]) != set(s_b["state"]):
         raise AssertionError(f"resumed at step {resume_at} {what}: state keys differ")
     for key, state in s_a["state"].items():

@@ -135,8 +135,11 @@ class ChunkFT(torch.optim.Optimizer):
     per cycle from ``seed`` (``"random"``). Only the active chunk's slices are stepped.
 
     Optimizer state is kept per (tensor, chunk), created (zero, the rule's initial
-    value) on the chunk's first visit and kept across cycles; each chunk counts its own
-    steps, so bias corrections are right for every chunk. ``state_store="host"`` moves an
+    value) on the chunk's first visit and kept across cycles, with its own step count:
+    the steps in which that slice was stepped (``slice_steps``), so bias corrections are
+    right for every slice, one whose module did not run in a step (a branch not taken,
+    an expert given no tokens) included, as torch.optim skips a parameter whose ``.grad``
+    is None. ``state_store="host"`` moves an
     inactive chunk's state to host memory (pinned when CUDA is available) in its own
     format, losslessly; ``prefetch=True`` copies the next chunk's state back to the device
     as soon as a step ends (``state_store.ChunkStates``).
@@ -206,7 +209,9 @@ class ChunkFT(torch.optim.Optimizer):
         for name, (module, attr) in self._owner.items():
             self._module_params.setdefault(module, {})[attr] = name
         self._t = 0
-        self._chunk_steps = [0] * chunks
+        self._visits = [0] * chunks
+        self._steps = {}  # (name, chunk) -> the steps that slice was stepped in
+        self._stepped = set()  # the keys stepped in the running backward
         self._states = ChunkStates(prefetch)
         self._phase = None
         self._forwarded = set()
@@ -238,8 +243,15 @@ class ChunkFT(torch.optim.Optimizer):
 
     @property
     def chunk_steps(self) -> tuple:
-        """Steps each chunk has taken (its rule's step count)."""
-        return tuple(self._chunk_steps)
+        """Steps taken while each chunk was active (its visits). The rule's step counts are
+        per slice: ``slice_steps``."""
+        return tuple(self._visits)
+
+    def slice_steps(self, index: int) -> dict:
+        """{parameter name: steps} of chunk ``index``'s slices: the rule's step count of
+        each, the steps in which its module ran and stepped it."""
+        self._check_index(index)
+        return {name: self._steps.get((name, index), 0) for name in self._by_name[index]}
 
     def _check_index(self, index):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.chunks:
@@ -300,9 +312,11 @@ class ChunkFT(torch.optim.Optimizer):
             self._phase = "backward"
             with torch.enable_grad():
                 loss.backward()
+            for key in self._stepped:  # counted once the whole backward has run
+                self._steps[key] = self._steps.get(key, 0) + 1
         finally:
-            self._phase, self._forwarded = None, set()
-        self._chunk_steps[chunk] += 1
+            self._phase, self._forwarded, self._stepped = None, set(), set()
+        self._visits[chunk] += 1
         self._t += 1
         following = self.active_chunk
         if self.state_store == "host" and following != chunk:
@@ -338,10 +352,11 @@ class ChunkFT(torch.optim.Optimizer):
         return name, self._by_name[self.active_chunk].get(name)
 
     def _kernel_args(self, name, piece):
-        chunk = self.active_chunk
+        key = (name, self.active_chunk)
+        self._stepped.add(key)
         place = shard_plan.kernel_slice(piece, self._params[name], self._placements[name])
-        return dict(rule=self.rule, step=self._chunk_steps[chunk] + 1, config=self.config, rounding=self.rounding,
-                    seed=self._seeds[name], weight_slice=place), self._states.get((name, chunk))
+        return dict(rule=self.rule, step=self._steps.get(key, 0) + 1, config=self.config, rounding=self.rounding,
+                    seed=self._seeds[name], weight_slice=place), self._states.get(key)
 
     def _reduced(self, grad):
         """The slice's gradient as the rule must see it: averaged over the data-parallel group."""
@@ -425,9 +440,10 @@ class ChunkFT(torch.optim.Optimizer):
         return described | ({"shards": placed} if placed else {})
 
     def state_dict(self) -> dict:
-        """Schedule position, per-chunk step counts, the learning rate and every (tensor,
-        chunk) state (copies), with the configuration they belong to."""
-        return {"config": self._describe(), "position": self._t, "chunk_steps": list(self._chunk_steps),
+        """Schedule position, each chunk's visits, each (tensor, chunk) slice's step count
+        and state (copies), the learning rate, with the configuration they belong to."""
+        return {"config": self._describe(), "position": self._t, "chunk_steps": list(self._visits),
+                "steps": {f"{name}@{chunk}": count for (name, chunk), count in self._steps.items()},
                 "lr": self.param_groups[0]["lr"],
                 "state": {f"{name}@{chunk}": {slot: t.clone() for slot, t in state.items()}
                           for (name, chunk), state in self._states.readable().items()}}
@@ -435,26 +451,39 @@ class ChunkFT(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume from ``state_dict()``: the next step is the one the saved run took next, bit
         for bit (with the model's own ``load_state_dict`` for the weights). A checkpoint of
-        another configuration (rule class, chunks, plan, schedule, seed, format) is refused."""
+        another configuration (rule class, chunks, plan, schedule, seed, format) is refused,
+        and so is one saved before per-slice step counts (its per-chunk counts cannot say
+        which slices a step skipped)."""
+        if "steps" not in state_dict:
+            raise ValueError("ChunkFT checkpoint without per-slice step counts ('steps'): saved before ChunkFT "
+                             "counted each (tensor, chunk) slice's steps, its counts are per chunk and cannot be "
+                             "resumed exactly; refused")
         ours, theirs = self._describe(), state_dict.get("config", {})
         differing = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differing:
             raise ValueError(f"ChunkFT checkpoint of another configuration: {differing} differ; refused")
-        states = {}
-        for key, state in state_dict["state"].items():
-            name, _, chunk = key.rpartition("@")
-            if name not in self._params or not chunk.isdigit() or name not in self._by_name[int(chunk)]:
-                raise ValueError(f"ChunkFT checkpoint has state for {key!r}, which is no (tensor, chunk) here")
-            states[(name, int(chunk))] = {slot: t.clone() for slot, t in state.items()}
+        states = {self._slice_key(key): {slot: t.clone() for slot, t in state.items()}
+                  for key, state in state_dict["state"].items()}
+        steps = {self._slice_key(key): int(count) for key, count in state_dict["steps"].items()}
         self._states.replace(states)
+        self._steps = steps
         self._t = int(state_dict["position"])
-        self._chunk_steps = [int(s) for s in state_dict["chunk_steps"]]
+        self._visits = [int(s) for s in state_dict["chunk_steps"]]
         self.param_groups[0]["lr"] = state_dict["lr"]
         for chunk in range(self.chunks):
             if self.state_store == "host":
                 self._states.offload(self._keys(chunk))
             else:
                 self._states.to_device(self._keys(chunk), self._device_of)
+
+    def _slice_key(self, key: str) -> tuple:
+        """A checkpoint's "name@chunk" as (name, chunk); refused unless it is a slice here."""
+        name, _, chunk = key.rpartition("@")
+        if name not in self._params or not chunk.isdigit() or int(chunk) >= self.chunks \
+                or name not in self._by_name[int(chunk)]:
+            raise ValueError(f"ChunkFT checkpoint has state or a step count for {key!r}, which is no (tensor, "
+                             "chunk) here")
+        return name, int(chunk)
 
     def remove(self) -> None:
         """Give the model back its own forwards and drop ChunkFT's gradient hooks."""
