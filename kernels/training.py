@@ -26,7 +26,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ._backend import on_device, quiet_non_finite
 from .errors import NonFiniteInputError
-from .linear import ForgeLinear, check_updates
+from .linear import ForgeLinear, _reword, check_updates
 from .ops.finite_check import STATUS_WORDS, launch_finite_check
 from .ops.gradient_norm import empty_square_sums, norm_from_square_sums, weight_gradient_norm
 from .ops.weight_gradient import weight_gradient
@@ -280,6 +280,46 @@ def _deferred_step(layer, x2d, dy2d):
     layer._apply_step(x2d, dy2d, report="defer")
 
 
+def _refuse_backward_in_closure(layer, x2d, dy2d):
+    # The fused layers' backward action while a closure runs: a torch.optim-style closure
+    # that calls backward() itself would step them before the Trainer clips or checks.
+    raise RuntimeError(f"a backward through fused layer {layer.forge_name!r} ran inside the closure: the closure "
+                       "must return the loss, and the Trainer calls backward() (it clips, accumulates and checks the "
+                       "fused steps around it)")
+
+
+def _bits(tensor):
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _check_repeated_pass(first, again):
+    """Exact clipping's stepping pass must repeat its norm pass: the same fused layers in
+    the forward and the same loss, bit for bit (``first`` and ``again``: each pass's (loss,
+    fused layers with a pending backward)). Checked before the stepping pass's backward, so
+    a closure that is not repeatable (one drawing its batch, ``next(batches)``) steps nothing."""
+    (first_loss, first_layers), (loss, layers) = first, again
+    if layers != first_layers:
+        raise RuntimeError(
+            "exact clipping's two passes ran different fused layers (in the norm pass only: "
+            f"{[n for n in first_layers if n not in layers]}; in the stepping pass only: "
+            f"{[n for n in layers if n not in first_layers]}): the closure must run the same layers each time it "
+            "is called; nothing was stepped")
+    if not torch.equal(_bits(first_loss), _bits(loss)):
+        raise RuntimeError(
+            f"exact clipping's two passes gave different losses ({first_loss.tolist()!r}, then {loss.tolist()!r}): "
+            "the closure must compute the same loss each time it is called (the torch RNG is rewound between the "
+            "passes). Draw the batch outside it (x, y = next(batches); trainer.step(lambda: model.loss(x, y))), "
+            "and use deterministic kernels (torch.use_deterministic_algorithms(True)); nothing was stepped")
+
+
+def _tell(error: BaseException, text: str) -> None:
+    """Add ``text`` to ``error``'s message (or, where the message is not a string, as a note)."""
+    if error.args and isinstance(error.args[0], str):
+        _reword(error, "", text)
+    elif hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(text.strip())
+
+
 class Trainer:
     """One training step for a fused model and the torch optimizer of its other parameters.
 
@@ -294,8 +334,13 @@ class Trainer:
     ``step(closures)``: ``closures`` is one callable, or a list with one per micro-batch;
     each runs a forward and returns a scalar loss, which the trainer backpropagates
     (scale it by 1/M yourself for a mean over M micro-batches, as with ``.grad``
-    accumulation). Forward passes must be repeatable when clipping: the torch RNG state is
-    restored between the two passes, so dropout draws the same masks.
+    accumulation; a backward through a fused layer inside the closure is refused).
+    Forward passes must be repeatable when clipping exactly: the torch RNG state is
+    restored between the two passes, so dropout draws the same masks, and the stepping
+    pass must run the same fused layers and give the same loss bits as the norm pass
+    (checked before its backward, so a closure drawing its own batch steps nothing).
+    A layer stopped by a failed step refuses the next ``step()`` before anything runs; an
+    error part-way through a step names the fused layers that had stepped.
 
     ``gradients="fused"`` (default): dW never exists.
 
@@ -444,8 +489,10 @@ class Trainer:
         if not closures or not all(callable(c) for c in closures):
             raise TypeError("step takes a callable returning the loss, or a non-empty list of them")
         self._sync_hyperparameters()
+        self._refuse_stopped_layers()
         if self.gradients == "fused" and len(closures) > 1:
             self._check_accumulates_in_state()
+        steps_before = {layer: layer._counters()[0] for layer in self.layers}
         try:
             if self.gradients == "materialized":
                 losses = self._materialized_step(closures)
@@ -457,7 +504,8 @@ class Trainer:
                 losses = self._fused_step(closures)
             # The fused steps were deferred: their outcome, read once for every layer.
             check_updates(self.model)
-        except BaseException:
+        except BaseException as error:
+            self._name_layers_stepped(error, steps_before)
             # Unfused gradients of a step that did not finish must not leak into the next.
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -468,9 +516,38 @@ class Trainer:
         self._sync_hyperparameters()  # so the rules always show the next step's values
         return losses
 
-    def _run(self, closures, backward_for):
+    def _refuse_stopped_layers(self):
+        """A fused layer stopped by a failed step would raise in its own backward, after
+        the layers before it in the backward had stepped: refuse the step before anything runs."""
+        stopped = [f"{layer.forge_name!r} at step {layer._failed_step}" for layer in self.layers
+                   if layer._failed_step is not None]
+        if stopped:
+            raise RuntimeError(f"fused layers {', '.join(stopped)} stopped: a non-finite update left some of their "
+                               "tiles unstepped (weight and state at mixed steps). Restore a checkpoint "
+                               "(trainer.load_state_dict), or call forge_accept_partial_step() on each to go on from "
+                               "here; nothing was stepped")
+
+    def _name_layers_stepped(self, error, steps_before):
+        """Say in ``error`` which fused layers stepped in this step before it: their steps
+        stay taken (their deferred outcomes read first), the torch optimizer's is not."""
+        for layer in self.layers:
+            try:
+                layer.forge_check()
+            except FloatingPointError:
+                pass  # wrote nothing, or stopped (the next step says so): it did not step
+        stepped = [layer.forge_name for layer, step in steps_before.items() if layer._counters()[0] > step]
+        if stepped:
+            _tell(error, f" [fused layers {stepped} had stepped in this step before this error and keep their steps; "
+                         "the torch optimizer did not step]")
+
+    def _layers_in_forward(self):
+        """The fused layers whose forward ran and whose backward has not."""
+        return [layer.forge_name for layer in self.layers if layer._pending]
+
+    def _run(self, closures, backward_for, before_backward=None):
         """Forward and backward every micro-batch, with ``backward_for(index)`` as the fused
-        layers' backward action."""
+        layers' backward action and ``before_backward(index, loss)``, if given, called
+        between the forward and the backward."""
         losses = []
         captured = [layer.forge_name for layer in self.layers if layer.forge_owner is not None]
         if captured:
@@ -478,16 +555,20 @@ class Trainer:
                                "made: release() it before the Trainer steps them")
         try:
             for index, closure in enumerate(closures):
-                action = backward_for(index)
-                for layer in self.layers:
-                    layer.forge_backward = action
+                self._set_backward(_refuse_backward_in_closure)
                 loss = closure()
+                if before_backward is not None:
+                    before_backward(index, loss)
+                self._set_backward(backward_for(index))
                 loss.backward()
                 losses.append(loss.detach())
         finally:
-            for layer in self.layers:
-                layer.forge_backward = None
+            self._set_backward(None)
         return losses
+
+    def _set_backward(self, action):
+        for layer in self.layers:
+            layer.forge_backward = action
 
     def _fused_step(self, closures):
         if len(closures) == 1:
@@ -522,23 +603,35 @@ class Trainer:
         norms = {}
         inputs = _InputCheck()
 
+        norm_pass = []  # each micro-batch's (loss, fused layers in its forward)
+
         def measure(layer, x2d, dy2d):
             norms[id(layer.weight)] = _layer_norm(layer, x2d, dy2d, self.norm, inputs)
 
-        self._run(closures, lambda index: measure)
+        self._run(closures, lambda index: measure,
+                  before_backward=lambda index, loss: norm_pass.append((loss.detach(), self._layers_in_forward())))
         scale = self._clip_scale(norms, inputs)
         scale_value = float(scale)
         put_back = set_aside_clipped_gradients(self.model, scale)
         rewind()
-        measured = set(norms)
+        stepped = set()
 
         def clipped_step(layer, x2d, dy2d):
-            if id(layer.weight) not in measured:
-                raise RuntimeError(f"fused layer {layer.forge_name!r} ran in the stepping pass but not in the "
-                                   "norm pass: the closure must run the same layers each time it is called")
+            # Past the checks of the forward (_check_repeated_pass), the backward can still
+            # differ: a layer the loss reached in one pass only.
+            if id(layer.weight) not in norms:
+                raise RuntimeError(f"fused layer {layer.forge_name!r} ran its backward in the stepping pass but not in "
+                                   "the norm pass: the closure must run the same layers each time it is called")
             layer._apply_step(x2d, dy2d, grad_scale=scale_value, report="defer")
+            stepped.add(id(layer.weight))
 
-        losses = self._run(closures, lambda index: clipped_step)
+        losses = self._run(closures, lambda index: clipped_step, before_backward=lambda index, loss: (
+            _check_repeated_pass(norm_pass[index], (loss.detach(), self._layers_in_forward()))))
+        unstepped = [layer.forge_name for layer in self.layers if id(layer.weight) in norms.keys() - stepped]
+        if unstepped:
+            raise RuntimeError(f"fused layers {unstepped} ran their backward in the norm pass but not in the stepping "
+                               "pass (their norms are in the clip factor; they did not step): the closure must run "
+                               "the same layers each time it is called")
         put_back()
         return losses
 
