@@ -7,6 +7,7 @@ from the seed and never stored, r_i and s_i Rademacher signs; a vector parameter
 ℓ_i^±, δ_i = (ℓ_i^+ - ℓ_i^-)/(2σ), and the estimate ĝ = (1/B) Σ_i c_i Δ_i with c_i = δ_i
 (``normalize="none"``: unbiased for the mean loss's gradient) or
 c_i = δ_i / (std(δ) + eps) (``"std"``, Bessel-corrected, as in the paper; biased).
+Both forwards draw the same torch random numbers (``common_random``: dropout masks).
 The step is W ← W - lr (ĝ + weight_decay W), row block by row block; the sum over
 examples is taken one example at a time in example order (each term ±c_i is exact, so
 every element is the same rounded sum on every machine, at any position in any block).
@@ -32,6 +33,7 @@ from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import update_kernel
+from .common_random import SameRandomNumbers
 from .draws import BASE, COL, ROW, CallDraws
 from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, hyperparameter
 from .targets import Perturbed, find_targets, row_blocks
@@ -169,8 +171,10 @@ class GRZO(OneGroupOptimizer):
     def _local_forwards(self, closure, draws):
         self.check_group()  # first, and inside the refusal every rank shares (``_forwards``)
         batches, losses, fired = [], [], []
+        randomness = SameRandomNumbers(t.param for t in self.targets)
         with torch.no_grad():
             for sign in (1, -1):
+                randomness.rewind()  # the same dropout masks in both forwards
                 with Perturbed(self.targets, draws, self.sigma, sign, self.block_elements,
                                self.data_rank) as hooks:
                     losses.append(per_example_losses(closure()))

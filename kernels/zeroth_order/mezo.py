@@ -1,7 +1,8 @@
 """MeZO (the baseline): one Gaussian direction z over every trainable parameter, shared
 by the batch, applied in place: θ += εz, L⁺; θ -= 2εz, L⁻; θ += εz (restore); then
 ĝ = (L⁺ - L⁻)/(2ε) · z and θ ← θ - lr (ĝ + weight_decay θ). z is regenerated block by
-block from (seed, call, parameter name) whenever it is needed, never stored.
+block from (seed, call, parameter name) whenever it is needed, never stored. Both
+forwards draw the same torch random numbers (``common_random``: dropout masks).
 
 The restore is not exact: each in-place write rounds, so θ comes back within
 ½ (ulp(θ₁) + ulp(θ₂) + ulp(θ₃)) of where it was (fp32; bf16 adds its double rounding),
@@ -27,6 +28,7 @@ from ..errors import NoStepWarning, NonFiniteLossError
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import draw_kernel, mezo_kernel
+from .common_random import SameRandomNumbers
 from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
 from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, check_call, check_state, unmoved_message
 from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, hyperparameter
@@ -177,10 +179,12 @@ class MeZO(OneGroupOptimizer):
         shift is done, and exactly those are shifted back."""
         self.check_group()  # first, and inside the refusal every rank shares (``_draw``)
         losses, displaced = [], {}  # parameter name: θ sits at θ + displaced · εz
+        randomness = SameRandomNumbers(p for _, p in self.params)
         try:
             with torch.no_grad():
                 for shift in (1.0, -2.0):
                     self._shift(shift, displaced)
+                    randomness.rewind()  # the same dropout masks in both forwards
                     losses.append(_scalar_loss(closure()))
         finally:
             with torch.no_grad():
