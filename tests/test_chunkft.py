@@ -80,6 +80,33 @@ def test_checkpoint_of_another_configuration_is_refused():
         other.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("changed, named", [
+    (dict(rounding="nearest"), r"\['rounding'\] differ.*'stochastic'.*'nearest'"),
+    (dict(rule=fk.AdamW(lr=1e-2, betas=(0.5, 0.6))), r"\['rule'\] differ.*betas=\(0.9, 0.999\).*betas=\(0.5, 0.6\)"),
+    (dict(rule=fk.AdamW(lr=1e-2, weight_decay=0.0)), r"\['rule'\] differ.*weight_decay=0.01.*weight_decay=0.0"),
+    (dict(rule=fk.SGD(lr=1e-2)), r"\['rule'\] differ.*SGD\(momentum"),
+    (dict(config=fk.TileConfig(block_t=64)), r"\['config'\] differ")])
+def test_checkpoint_with_other_rule_settings_rounding_or_tile_config_is_refused(changed, named):
+    """A checkpoint resumes bit for bit only under the rounding, the tile config (its token
+    block orders the sums) and the rule's settings it was saved with: any other is refused,
+    naming it. The learning rate is not compared (a scheduler owns it): the checkpoint's
+    own is restored."""
+    problem = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=0)
+    model = problem.model(torch.bfloat16)
+    ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), 2, state_format="bf16")
+    ((tokens, targets),) = problem.batches(1)
+    ctl.step(lambda: F.cross_entropy(model(tokens).float().reshape(-1, 5), targets.reshape(-1)))
+    saved = ctl.state_dict()
+    options = dict(rule=fk.AdamW(lr=1e-2), rounding=None, config=None) | changed
+    other = fk.ChunkFT(problem.model(torch.bfloat16), options.pop("rule"), 2, state_format="bf16", **options)
+    with pytest.raises(ValueError, match=named):
+        other.load_state_dict(saved)
+    scheduled = fk.ChunkFT(problem.model(torch.bfloat16), fk.AdamW(lr=5e-3), 2, state_format="bf16",
+                           rounding="stochastic", config=fk.PINNED)
+    scheduled.load_state_dict(saved)  # another initial rate, the default rounding and config named
+    assert scheduled.param_groups[0]["lr"] == 1e-2
+
+
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
 def test_one_chunk_is_the_plain_fused_update(state_format, device):
     """chunks=1 (the properties' dense step) is fk.fused_weight_update on the whole weight

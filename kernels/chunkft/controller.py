@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import PINNED
 from ..ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from ..ops.stochastic_round import check_seed
 from ..ops.weight_gradient import weight_gradient
@@ -432,8 +433,14 @@ class ChunkFT(torch.optim.Optimizer):
 
     # ----- checkpoints --------------------------------------------------------------
     def _describe(self) -> dict:
-        described = {"rule": type(self.rule).__name__, "chunks": self.chunks, "switch_every": self.switch_every,
-                     "split": self.split, "order": self.order, "seed": self.seed, "state_format": self.state_format,
+        """What a checkpoint must match to resume bit for bit: the rule and its settings but
+        its learning rate (a scheduler's; the checkpoint restores its own), the rounding
+        and the tile config (None named as what it means), the plan and the schedule."""
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.rule.hyperparameters().items() if k != "lr")
+        described = {"rule": f"{type(self.rule).__name__}({settings})", "chunks": self.chunks,
+                     "switch_every": self.switch_every, "split": self.split, "order": self.order, "seed": self.seed,
+                     "state_format": self.state_format, "rounding": self.rounding or "stochastic",
+                     "config": repr(self.config or PINNED),
                      "plan": [[list(piece.as_tuple()) for piece in pieces] for pieces in self._plan]}
         placed = {name: [p.row_start, p.col_start, list(p.global_shape)] for name, p in self._placements.items()
                   if p.global_shape != _as_row(self._params[name])}
@@ -451,8 +458,9 @@ class ChunkFT(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume from ``state_dict()``: the next step is the one the saved run took next, bit
         for bit (with the model's own ``load_state_dict`` for the weights). A checkpoint of
-        another configuration (rule class, chunks, plan, schedule, seed, format) is refused,
-        and so is one saved before per-slice step counts (its per-chunk counts cannot say
+        another configuration (the rule or its settings, its lr excepted; rounding, tile
+        config, chunks, plan, schedule, seed, format) is refused, naming what differs, and
+        so is one saved before per-slice step counts (its per-chunk counts cannot say
         which slices a step skipped)."""
         if "steps" not in state_dict:
             raise ValueError("ChunkFT checkpoint without per-slice step counts ('steps'): saved before ChunkFT "
@@ -461,7 +469,11 @@ class ChunkFT(torch.optim.Optimizer):
         ours, theirs = self._describe(), state_dict.get("config", {})
         differing = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differing:
-            raise ValueError(f"ChunkFT checkpoint of another configuration: {differing} differ; refused")
+            # the plan and the shards are long: their names say enough
+            shown = "; ".join(f"{k}: checkpoint {theirs.get(k)!r}, here {ours.get(k)!r}" for k in differing
+                              if k not in ("plan", "shards"))
+            raise ValueError(f"ChunkFT checkpoint of another configuration: {differing} differ"
+                             f"{' (' + shown + ')' if shown else ''}; refused")
         states = {self._slice_key(key): {slot: t.clone() for slot, t in state.items()}
                   for key, state in state_dict["state"].items()}
         steps = {self._slice_key(key): int(count) for key, count in state_dict["steps"].items()}
