@@ -320,6 +320,57 @@ def _tell(error: BaseException, text: str) -> None:
         error.add_note(text.strip())
 
 
+class _WeightStep(SGDMicroBatch):
+    """The weight step ``w ← w − lr·buf`` of a layer whose last call in an accumulated step
+    came before the last micro-batch, its buffer left as it is. The kernel still adds
+    ``c·(g + 0·w)`` to the buffer: here c = 0 and the gradient is −1 (``_unit_gradient``),
+    so that term is −0, and buf + (−0) is buf for every buf, −0 included (a +0 term would
+    turn a −0 into +0): the layer's step is bitwise the split over its own calls."""
+
+    def __init__(self, sgd: SGD):
+        super().__init__(sgd, first=False, last=True)
+
+    def _host_scalars(self, step):
+        lr, weight_decay, buf_factor, _, momentum = super()._host_scalars(step)
+        return (lr, weight_decay, buf_factor, 0.0, momentum)
+
+
+def _unit_gradient(layer):
+    """(x2d, dy2d) of one token whose weight gradient dYᵀX is −1 in every element."""
+    weight = layer.weight
+    x2d = torch.ones(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return x2d, -torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+
+class _MicroBatchSteps:
+    """The phases of one accumulated SGD-momentum step (``SGDMicroBatch``), chosen by each
+    layer's own calls, as autograd sums only the micro-batches that reach a layer: its
+    first call in the step takes the first phase (b·buf and wd·w), a call in the last
+    micro-batch the last (the weight steps), and a layer whose last call came earlier
+    takes its weight step after the last micro-batch (``finish``). A layer called in no
+    micro-batch takes no step, as torch.optim skips a parameter without a gradient."""
+
+    def __init__(self, micro_batches: int):
+        self.last = micro_batches - 1
+        self.called = set()  # the layers called so far in this step
+        self.weight_stepped = set()  # the layers whose weight step is launched
+
+    def backward_for(self, index):
+        def accumulate(layer, x2d, dy2d):
+            last = index == self.last
+            phase = SGDMicroBatch(layer.rule, first=layer not in self.called, last=last)
+            layer._apply_step(x2d, dy2d, rule=phase, advance=last, report="defer")
+            self.called.add(layer)
+            if last:
+                self.weight_stepped.add(layer)
+        return accumulate
+
+    def finish(self, layers):
+        for layer in layers:
+            if layer in self.called and layer not in self.weight_stepped:
+                layer._apply_step(*_unit_gradient(layer), rule=_WeightStep(layer.rule), report="defer")
+
+
 class Trainer:
     """One training step for a fused model and the torch optimizer of its other parameters.
 
@@ -372,8 +423,10 @@ class Trainer:
       square_sums=)``: no second pass over the tokens).
     * Accumulation over micro-batches: only SGD with momentum (not Nesterov) with fp32
       state, accumulating into the momentum buffer (``SGDMicroBatch``), no extra memory.
-      Other rules are refused: they are not affine in the gradient, so the micro-batch
-      gradients must be summed before the rule.
+      The phases follow each layer's own calls (``_MicroBatchSteps``): a layer that only
+      some micro-batches reach (an expert) steps on the sum of those, one that none
+      reaches takes no step. Other rules are refused: they are not affine in the
+      gradient, so the micro-batch gradients must be summed before the rule.
 
     ``gradients="materialized"``: every fused layer's backward adds its fp32 gradient to a
     buffer; after the last micro-batch the rule runs on the buffer (``apply_rule``), with
@@ -573,18 +626,10 @@ class Trainer:
     def _fused_step(self, closures):
         if len(closures) == 1:
             return self._run(closures, lambda index: _deferred_step)
-        last = len(closures) - 1
-        phases = {}
-        for rule in self.rules:
-            for index in range(len(closures)):
-                phases[id(rule), index] = SGDMicroBatch(rule, first=index == 0, last=index == last)
-
-        def backward_for(index):
-            def accumulate(layer, x2d, dy2d):
-                layer._apply_step(x2d, dy2d, rule=phases[id(layer.rule), index], advance=index == last,
-                                  report="defer")
-            return accumulate
-        return self._run(closures, backward_for)
+        steps = _MicroBatchSteps(len(closures))
+        losses = self._run(closures, steps.backward_for)
+        steps.finish(self.layers)
+        return losses
 
     def _check_accumulates_in_state(self):
         for layer in self.layers:
