@@ -3,6 +3,7 @@ a baseline past a proven bound, and saying plainly when a backend has no baselin
 (That it catches real kernel mistakes: tests/test_gate_catches_planted_mistakes.py.)"""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -94,7 +95,7 @@ def test_update_is_refused_past_a_proven_bound(sgd_case, tmp_path, monkeypatch, 
 
 
 def _entry(**statistics):
-    return {"case": {"config": "TileConfig(block_n=16)", "kernel": "fused_weight_update"},
+    return {"case": {"config": "TileConfig(block_n=16)", "kernel": "fused_weight_update"}, "inputs": "b" * 64,
             "fingerprints": {"weight": {"dtype": "float32", "shape": [2], "sha256": "a" * 64, "ulp_sum": 0}},
             "statistics": dict(outside_enclosure=0, enclosure_use=0.5, reference_max_ulp=10.0, **statistics)}
 
@@ -139,6 +140,34 @@ def test_a_changed_case_definition_fails(sgd_case, tmp_path, monkeypatch, capsys
     assert f"FAIL: {WHERE} (float32 activations, 3 steps, seed 3): the case definition changed since the " \
            f"baseline was recorded (config: TileConfig(block_n=16, block_k=32, block_t=16" in out
     assert "-> TileConfig(block_n=64, block_k=64, block_t=16" in out and "case changed" in out
+
+
+def test_changed_inputs_are_reported_as_such_not_as_a_kernel_change(sgd_case, tmp_path, monkeypatch, capsys):
+    """Bits recorded from other inputs (make_inputs drew differently, or the baseline
+    predates the inputs' fingerprint) say nothing about the kernel: the gate says which."""
+    from forge_verify.gate import measure
+
+    path = tmp_path / "gate.json"
+    gate.run_gate(path, update=True)
+    real_make_inputs = measure.make_inputs
+    monkeypatch.setattr(measure, "make_inputs", lambda problem, *args: real_make_inputs(
+        dataclasses.replace(problem, seed=problem.seed + 1), *args))
+    capsys.readouterr()
+    assert gate.run_gate(path) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: {WHERE} (float32 activations, 3 steps, seed 3): its inputs changed (sha256 " in out
+    assert "so its bits and statistics cannot be compared with this run's (not a kernel change); review and " \
+           "record the baseline again with `forge-verify gate --update`" in out
+    assert "inputs changed" in out and "bits changed" not in out
+
+    monkeypatch.undo()
+    monkeypatch.setattr(gate, "canonical_cases", lambda: [sgd_case])
+    baseline = json.loads(path.read_text())
+    del baseline["backends"][gate.current_backend()]["cases"][sgd_case.key]["inputs"]
+    path.write_text(json.dumps(baseline))
+    assert gate.run_gate(path) == 1
+    assert "the baseline holds no fingerprint of its inputs (recorded before the gate took one)" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["enclosure_use", "reference_max_ulp", "exact_bias_ulp"])

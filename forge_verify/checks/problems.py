@@ -72,15 +72,23 @@ class Inputs:
     batches: list  # one (x, dy) pair per step
 
 
+def _normal(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 N(0, 1) draws that are the same on every CPU: float64 draws rounded once.
+    torch's float32 randn takes, for 16 elements or more, a vectorized Box-Muller with an
+    approximate log on AVX2 and AVX-512 CPUs and the scalar one elsewhere, so its bits
+    depend on the instruction set; its float64 draws do not (tests/test_problem_inputs.py)."""
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float64).float()
+
+
 def make_inputs(problem: Problem, device, regime: Regime = FP32) -> Inputs:
     """Draw the problem's tensors from its seed (on the CPU, so every backend sees the same values)."""
     gen = torch.Generator().manual_seed(problem.seed)
     T, N, K = problem.tokens, problem.out_features, problem.in_features
-    weight = torch.randn(N, K, generator=gen)
+    weight = _normal(N, K, gen)
     batches = []
     for _ in range(problem.steps):
-        x = (torch.randn(T, K, generator=gen) * problem.scale).to(problem.dtype)
-        dy = torch.randn(T, N, generator=gen).to(problem.dtype)
+        x = (_normal(T, K, gen) * problem.scale).to(problem.dtype)
+        dy = _normal(T, N, gen).to(problem.dtype)
         if problem.sparse:
             x[:, ::3] = 0
             dy[:, ::5] = 0

@@ -2,13 +2,17 @@
 
 The committed baseline (``forge_verify/gate/baselines/gate.json``) holds, per backend
 ("cpu-interpreter", "gpu") and per canonical case (``forge_verify.gate.cases``), the
-fingerprints of everything ``fused_weight_update`` wrote and the case's deviation
-statistics (``forge_verify.gate.measure``). The gate fails when
+case's definition, a fingerprint of its inputs, the fingerprints of everything
+``fused_weight_update`` wrote and the case's deviation statistics
+(``forge_verify.gate.measure``). The gate fails when
 
+* a case's definition or inputs differ from the recorded ones: its bits belong to another
+  case, so nothing else of it is compared (record again, after review);
 * a bit changed: a fingerprint differs from the baseline (every regime's bits are a
-  pure function of inputs and seed, so any difference is a kernel change);
+  pure function of inputs and seed, so from the same inputs any difference is a kernel
+  change);
 * a statistic exceeds its proven bound (``gate_measure.PROVEN_BOUNDS``), whatever the
-  baseline says;
+  baseline says, or is NaN;
 * a statistic regressed past the margin below (larger than the baseline's by more
   than ``REGRESSION_MARGIN`` relatively plus ``REGRESSION_SLACK``);
 * the canonical set and the baseline disagree (a case added or removed), or the
@@ -23,6 +27,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy
 import torch
 import triton
 
@@ -50,8 +55,12 @@ def current_backend() -> str:
 
 
 def provenance() -> dict:
+    """Where a section was recorded. The CPU capability and numpy are recorded because they
+    could move bits that should not move (the inputs are drawn on the CPU; the interpreter
+    runs on numpy): a note names any that differ from the current run."""
     device = "cpu" if fk.interpreting() else torch.cuda.get_device_name()
-    return {"device": device, "torch": torch.__version__, "triton": triton.__version__}
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "numpy": numpy.__version__}
 
 
 def load(path: Path) -> dict:
@@ -91,16 +100,33 @@ def _case_change(recorded: dict, measured: dict) -> str:
                      for field in sorted(set(old) | set(new)) if old.get(field) != new.get(field))
 
 
-def compare(case, recorded: dict, measured: dict) -> list:
-    """Messages for every way ``measured`` (with its "case" description) fails against the
-    ``recorded`` baseline entry. A case whose definition changed is not compared further:
-    its bits and statistics belong to another case."""
-    failures = bound_failures(case, measured["statistics"])
+def _inputs_change(recorded: dict, measured: dict) -> str:
+    """How the recorded inputs differ from the measured ones ('' if they do not)."""
+    if "inputs" not in recorded:
+        return "the baseline holds no fingerprint of its inputs (recorded before the gate took one)"
+    if recorded["inputs"] != measured["inputs"]:
+        return f"its inputs changed (sha256 {recorded['inputs'][:12]} -> {measured['inputs'][:12]})"
+    return ""
+
+
+def _staleness(recorded: dict, measured: dict) -> str:
+    """Why ``recorded`` cannot be compared with ``measured`` at all ('' if it can)."""
     changed = _case_change(recorded, measured)
-    if changed:
-        return failures + [f"{_where(case)}: the case definition changed since the baseline was recorded "
-                           f"({changed}), so its bits and statistics cannot be compared; review the change and "
-                           f"record the baseline again with {UPDATE_COMMAND[current_backend()]}"]
+    reasons = [f"the case definition changed since the baseline was recorded ({changed})" if changed else "",
+               _inputs_change(recorded, measured)]
+    return "; ".join(reason for reason in reasons if reason)
+
+
+def compare(case, recorded: dict, measured: dict) -> list:
+    """Messages for every way ``measured`` (with its "case" description and inputs'
+    fingerprint) fails against the ``recorded`` baseline entry. A case whose definition or
+    inputs changed is not compared further: its bits and statistics belong to another case."""
+    failures = bound_failures(case, measured["statistics"])
+    stale = _staleness(recorded, measured)
+    if stale:
+        return failures + [f"{_where(case)}: {stale}, so its bits and statistics cannot be compared with this "
+                           f"run's (not a kernel change); review and record the baseline again with "
+                           f"{UPDATE_COMMAND[current_backend()]}"]
     old_stats, new_stats = recorded["statistics"], measured["statistics"]
     moved = [_stat_change(name, old_stats[name], new_stats[name])
              for name in sorted(new_stats) if name in old_stats and new_stats[name] != old_stats[name]]
@@ -141,10 +167,13 @@ def diff(old_section: dict, new_section: dict) -> list:
         stats = [_stat_change(name, old["statistics"][name], value)
                  for name, value in sorted(new["statistics"].items())
                  if old["statistics"].get(name) != value and name in old["statistics"]]
-        if changed or stats or old["case"] != new["case"]:
+        inputs = _inputs_change(old, new)
+        if changed or stats or old["case"] != new["case"] or inputs:
             lines.append(f"~ {key}: bits of {', '.join(changed) or 'nothing'} changed"
                          + (f"; {'; '.join(stats)}" if stats else "")
-                         + ("; case definition changed" if old["case"] != new["case"] else ""))
+                         + (f"; case definition changed ({_case_change(old, new)})" if old["case"] != new["case"]
+                            else "")
+                         + (f"; {inputs}" if inputs else ""))
     if old_section.get("provenance") != new_section["provenance"]:
         lines.append(f"~ provenance {old_section.get('provenance')} -> {new_section['provenance']}")
     return lines
@@ -156,6 +185,8 @@ def _summary_row(case, measured, recorded) -> tuple:
         bits = "no baseline"
     elif _case_change(recorded, measured):
         bits = "case changed"
+    elif _inputs_change(recorded, measured):
+        bits = "inputs changed"
     else:
         bits = "same" if recorded["fingerprints"] == measured["fingerprints"] else "CHANGED"
     drift = f"{stats['exact_max_ulp']:.3g}" if "exact_max_ulp" in stats else "-"
@@ -208,7 +239,10 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
         failures.append(f"{here}: no baseline recorded for this backend; only the proven bounds were checked. "
                         f"Record one with {UPDATE_COMMAND[here]} and review the result")
     elif section["provenance"] != provenance():
-        print(f"note: the {here} baseline was recorded with {section['provenance']}; this run has {provenance()}")
+        recorded, now = section["provenance"], provenance()
+        moved = ", ".join(f"{key} {recorded.get(key, 'not recorded')} -> {now.get(key, 'none')}"
+                          for key in sorted(set(recorded) | set(now)) if recorded.get(key) != now.get(key))
+        print(f"note: this run's provenance differs from the {here} baseline's ({moved})")
     for failure in failures:
         print(f"FAIL: {failure}")
     verdict = "FAILED" if failures else "passed"

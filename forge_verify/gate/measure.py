@@ -1,5 +1,6 @@
-"""What the gate records for one canonical case: bitwise fingerprints of everything the
-kernel wrote, and deviation statistics with the proven bounds they must respect.
+"""What the gate records for one canonical case: a fingerprint of the inputs it starts
+from, bitwise fingerprints of everything the kernel wrote, and deviation statistics with
+the proven bounds they must respect.
 
 Every regime's outputs are a pure function of the inputs and the seed (stochastic
 rounding is keyed on seed, step and element index), so every case is fingerprinted,
@@ -45,6 +46,22 @@ def fingerprint(t: torch.Tensor) -> dict:
             "ulp_sum": int(ordered.sum())}
 
 
+def inputs_fingerprint(inputs) -> str:
+    """sha256 of the shapes and bits of the weight and every (x, dy) pair a case starts
+    from: a baseline's bits can only be compared with a run from the same inputs."""
+    digest = hashlib.sha256()
+    for t in (inputs.weight, *(t for pair in inputs.batches for t in pair)):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype} {tuple(t.shape)};".encode())
+        digest.update(int_view(t).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def case_inputs_fingerprint(case) -> str:
+    """The fingerprint of the inputs ``case`` draws (on the CPU, as on every backend)."""
+    return inputs_fingerprint(make_inputs(case.problem, torch.device("cpu"), case.regime))
+
+
 def _enclosure_statistics(enclosures: dict, values: dict) -> dict:
     outside, use = 0, 0.0
     for name, enclosure in enclosures.items():
@@ -64,11 +81,13 @@ def enclosure_measure(case, device, backend: str) -> tuple:
     values = {"weight": weight, **decoded_state(rule, state)}
     statistics = _enclosure_statistics({"weight": w_enc, **s_enc}, values)
     statistics["reference_max_ulp"] = float(ulp_distance(weight.detach().cpu(), w_ref.to(weight.dtype)).max())
-    return inputs, weight, w_enc, {"fingerprints": fingerprints, "statistics": statistics}
+    return inputs, weight, w_enc, {"inputs": inputs_fingerprint(inputs), "fingerprints": fingerprints,
+                                   "statistics": statistics}
 
 
 def measure(case, device, backend: str, exact_cache: dict) -> dict:
-    """Run ``case`` and return {"fingerprints": ..., "statistics": ...}: the enclosure's
+    """Run ``case`` and return {"inputs": ..., "fingerprints": ..., "statistics": ...}: the
+    fingerprint of its inputs (``inputs_fingerprint``), the enclosure's
     statistics and, where the regime rounds, the drift from the exact trajectory.
 
     ``exact_cache`` keeps exact trajectories between cases that share a rule, start and
