@@ -552,7 +552,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     first. Non-finite inputs give non-finite sums.
     """
     check_report(report)
-    check_update_inputs(x, dy, weight, state, rule)
+    check_update_inputs(x, dy, weight, state, rule, square_sums=square_sums, grad_scale=grad_scale)
     captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
     if square_sums is not None:
@@ -581,7 +581,7 @@ def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, s
     ``grad = weight_gradient(x, dy, config=config)`` this is the oracle."""
     check_report(report)
     check_gradient(grad, weight)
-    check_weight_and_state(weight, state, rule, read=[("grad", grad)])
+    check_weight_and_state(weight, state, rule, read=[("grad", grad)], grad_scale=grad_scale)
     captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
     with on_device(weight.device), quiet_non_finite():
