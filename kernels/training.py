@@ -348,27 +348,61 @@ class _MicroBatchSteps:
     first call in the step takes the first phase (b·buf and wd·w), a call in the last
     micro-batch the last (the weight steps), and a layer whose last call came earlier
     takes its weight step after the last micro-batch (``finish``). A layer called in no
-    micro-batch takes no step, as torch.optim skips a parameter without a gradient."""
+    micro-batch takes no step, as torch.optim skips a parameter without a gradient.
 
-    def __init__(self, micro_batches: int):
+    A phase that adds into the buffer cannot be undone (keeping the buffers to restore
+    them would cost 4 bytes per fused parameter), so the step is not all-or-nothing: it
+    knows which layers have added part of its sum (``holding``) and, after an error,
+    stops those whose weight did not step (``stop_partial``)."""
+
+    def __init__(self, layers, micro_batches: int):
         self.last = micro_batches - 1
+        self.steps_before = {layer: layer._counters()[0] for layer in layers}
         self.called = set()  # the layers called so far in this step
         self.weight_stepped = set()  # the layers whose weight step is launched
+        self.accumulating = set()  # the layers whose latest phase adds into the buffer, unchecked
+        self.holding = {}  # the layers with a clean phase that added into the buffer, in order
+
+    def _check_previous(self, layer):
+        """Check the layer's latest phase (raising its error): each phase waits for the
+        one before, so a failure stops the step as it would stop the layer alone."""
+        accumulating = layer in self.accumulating
+        self.accumulating.discard(layer)
+        layer.forge_check()
+        if accumulating:
+            self.holding[layer] = None
 
     def backward_for(self, index):
         def accumulate(layer, x2d, dy2d):
+            self._check_previous(layer)
             last = index == self.last
             phase = SGDMicroBatch(layer.rule, first=layer not in self.called, last=last)
             layer._apply_step(x2d, dy2d, rule=phase, advance=last, report="defer")
             self.called.add(layer)
-            if last:
-                self.weight_stepped.add(layer)
+            (self.weight_stepped if last else self.accumulating).add(layer)
         return accumulate
 
     def finish(self, layers):
         for layer in layers:
             if layer in self.called and layer not in self.weight_stepped:
+                self._check_previous(layer)
                 layer._apply_step(*_unit_gradient(layer), rule=_WeightStep(layer.rule), report="defer")
+                self.weight_stepped.add(layer)
+
+    def stop_partial(self) -> list:
+        """After an error: the layers holding part of this step's sum whose weight did not
+        step, stopped as a failed update stops a layer (restore, or accept the partial
+        step); their outcomes read first (a failed one is not raised again)."""
+        for layer in self.steps_before:
+            try:
+                self._check_previous(layer)
+            except FloatingPointError:
+                pass
+        partial = [layer for layer, step in self.steps_before.items()
+                   if layer in self.holding and layer._counters()[0] == step]
+        for layer in partial:
+            layer._failed_step = self.steps_before[layer] + 1
+        return partial
 
 
 class Trainer:
@@ -442,7 +476,11 @@ class Trainer:
     norm pass, ``"materialized"``) count non-finite operands on the device and raise
     before any fused layer steps. With several micro-batches on the fused path, a layer
     checks its previous micro-batch's step before taking the next (a wait for that
-    step's event, not for the whole queue), so a failure stops it as without a trainer.
+    step's event, not for the whole queue), so a failure stops the step there. A layer
+    whose momentum buffer then holds part of the step's sum, its weight not stepped, is
+    stopped as after a failed update (the error names it; restore a checkpoint, or
+    ``forge_accept_partial_step()`` to go on from the partial sum): the buffers are not
+    copied to undo it, which would cost 4 bytes per fused parameter.
     """
 
     def __init__(self, model, optimizer=None, *, scheduler=None, max_norm=None, clipping="exact", gradients="fused",
@@ -492,6 +530,7 @@ class Trainer:
                             "step")
         self._sync_hyperparameters()  # a scheduler may set them when it is built (OneCycleLR's momentum)
         self.last_norm = None
+        self._partial_sums = {}  # layer -> the accumulated step it stopped in, part-way
 
     def _with_fused_groups(self, optimizer):
         check_unfused_optimizer(self.model, optimizer)
@@ -572,11 +611,14 @@ class Trainer:
     def _refuse_stopped_layers(self):
         """A fused layer stopped by a failed step would raise in its own backward, after
         the layers before it in the backward had stepped: refuse the step before anything runs."""
-        stopped = [f"{layer.forge_name!r} at step {layer._failed_step}" for layer in self.layers
-                   if layer._failed_step is not None]
+        self._partial_sums = {layer: step for layer, step in self._partial_sums.items() if layer._failed_step == step}
+        stopped = [f"{layer.forge_name!r} at step {layer._failed_step} ("
+                   + ("an accumulated step that failed part-way left a partial sum of its micro-batches in the "
+                      "momentum buffer, the weight not stepped" if layer in self._partial_sums else
+                      "a non-finite update left some tiles unstepped: weight and state at mixed steps") + ")"
+                   for layer in self.layers if layer._failed_step is not None]
         if stopped:
-            raise RuntimeError(f"fused layers {', '.join(stopped)} stopped: a non-finite update left some of their "
-                               "tiles unstepped (weight and state at mixed steps). Restore a checkpoint "
+            raise RuntimeError(f"fused layers stopped: {'; '.join(stopped)}. Restore a checkpoint "
                                "(trainer.load_state_dict), or call forge_accept_partial_step() on each to go on from "
                                "here; nothing was stepped")
 
@@ -626,9 +668,20 @@ class Trainer:
     def _fused_step(self, closures):
         if len(closures) == 1:
             return self._run(closures, lambda index: _deferred_step)
-        steps = _MicroBatchSteps(len(closures))
-        losses = self._run(closures, steps.backward_for)
-        steps.finish(self.layers)
+        steps = _MicroBatchSteps(self.layers, len(closures))
+        try:
+            losses = self._run(closures, steps.backward_for)
+            steps.finish(self.layers)
+            check_updates(self.model)
+        except BaseException as error:
+            partial = steps.stop_partial()
+            if partial:
+                self._partial_sums.update((layer, layer._failed_step) for layer in partial)
+                _tell(error, f". The accumulated step stopped part-way: the momentum buffers of fused layers "
+                             f"{[layer.forge_name for layer in partial]} hold a partial sum of its micro-batches and "
+                             "their weights did not step; those layers are stopped: restore a checkpoint, or call "
+                             "forge_accept_partial_step() on each to go on from the partial sums")
+            raise
         return losses
 
     def _check_accumulates_in_state(self):

@@ -107,3 +107,89 @@ def test_the_late_weight_step_leaves_the_buffer_bit_for_bit(device):
     fk.fused_weight_update(*fk.training._unit_gradient(layer), weight, state, rule, 2)
     assert_bitwise_equal(state["momentum_buffer"], buf, "momentum buffer")
     assert_bitwise_equal(weight, w - rule.scalars(2)[0] * buf, "weight")
+
+
+class _TwoBranches(nn.Module):
+    """Two losses added: a non-finite z reaches b's operands only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4, bias=False)
+        self.b = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x, z):
+        return self.a(x).square().mean() + self.b(z).square().mean()
+
+
+def _branch_closures(model, device, step, poisoned=None):
+    """Two micro-batches; ``poisoned``: the micro-batch whose z is infinite."""
+    gen = torch.Generator().manual_seed(70 + step)
+    closures = []
+    for index in range(2):
+        x, z = (torch.randn(4, 8, generator=gen).to(device) for _ in range(2))
+        if index == poisoned:
+            z[0, 0] = float("inf")
+        closures.append(lambda x=x, z=z: model(x, z))
+    return closures
+
+
+def _branches(device):
+    torch.manual_seed(0)
+    model = fk.fuse(_TwoBranches().to(device), fk.SGD(**RULE))
+    trainer = fk.Trainer(model)
+    trainer.step(_branch_closures(model, device, 0))
+    return model, trainer
+
+
+def test_a_failure_in_a_later_micro_batch_stops_the_layers_holding_a_partial_sum(device):
+    """b's operands are non-finite in the last micro-batch: its last phase writes nothing,
+    but the first micro-batch is in its momentum buffer already (no copy of the buffer is
+    kept to undo it). The error says so, and b is stopped like a layer whose update failed:
+    the next step is refused before anything steps, until a checkpoint is restored (then
+    the step equals an uninterrupted run's) or the partial step is accepted. a finished
+    its step, and the error says it stepped."""
+    model, trainer = _branches(device)
+    checkpoint = copy.deepcopy(trainer.state_dict())
+    with pytest.raises(fk.NonFiniteInputError, match=r"fused layer 'b', step 2: .*nothing was updated\. The "
+                       r"accumulated step stopped part-way: the momentum buffers of fused layers \['b'\] hold a "
+                       r"partial sum .*\[fused layers \['a'\] had stepped in this step") as raised:
+        trainer.step(_branch_closures(model, device, 1, poisoned=1))
+    assert "'b'" not in str(raised.value).split("[fused layers")[1]
+    assert model.b._failed_step == 2 and int(model.b.forge_step) == 1 and int(model.a.forge_step) == 2
+    assert_bitwise_equal(model.b.weight.detach(), checkpoint["model"]["b.weight"], "b.weight")
+    assert not torch.equal(model.b.forge_state["momentum_buffer"], checkpoint["model"]["b.forge_state_momentum_buffer"])
+    weights = {name: layer.weight.detach().clone() for name, layer in (("a", model.a), ("b", model.b))}
+    with pytest.raises(RuntimeError, match=r"fused layers stopped: 'b' at step 2 \(an accumulated step that failed "
+                                           r"part-way left a partial sum.*nothing was stepped"):
+        trainer.step(_branch_closures(model, device, 2))
+    for name, layer in (("a", model.a), ("b", model.b)):
+        assert_bitwise_equal(layer.weight.detach(), weights[name], name)
+
+    trainer.load_state_dict(checkpoint)
+    twin, twin_trainer = _branches(device)
+    for t, m in ((trainer, model), (twin_trainer, twin)):
+        t.step(_branch_closures(m, device, 2))
+    for (name, x), (_, y) in zip(model.state_dict().items(), twin.state_dict().items(), strict=True):
+        assert_bitwise_equal(x, y, name)
+
+    with pytest.raises(fk.NonFiniteInputError, match="partial sum"):
+        trainer.step(_branch_closures(model, device, 3, poisoned=1))
+    model.b.forge_accept_partial_step()
+    trainer.step(_branch_closures(model, device, 4))
+    assert int(model.b.forge_step) == 4 and int(model.a.forge_step) == 4
+
+
+def test_a_failure_in_the_first_micro_batch_stops_only_the_layers_it_left_partial(device):
+    """b's operands are non-finite in the first micro-batch: its phase writes nothing, and
+    the step stops at b's next call. b's buffer holds nothing of this step, so b is not
+    stopped (weight, buffer and step count as before); a's first phase had added into its
+    buffer, so a is."""
+    model, trainer = _branches(device)
+    before = [t.detach().clone() for t in (model.b.weight, model.b.forge_state["momentum_buffer"], model.b.forge_step)]
+    with pytest.raises(fk.NonFiniteInputError, match=r"fused layer 'b', step 2: .*fused layers \['a'\] hold a "
+                                                     "partial sum"):
+        trainer.step(_branch_closures(model, device, 1, poisoned=0))
+    assert model.b._failed_step is None and model.a._failed_step == 2
+    after = (model.b.weight, model.b.forge_state["momentum_buffer"], model.b.forge_step)
+    for name, x, y in zip(("weight", "momentum buffer", "step"), after, before):
+        assert_bitwise_equal(x.detach(), y, name)
