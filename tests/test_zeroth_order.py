@@ -841,3 +841,23 @@ def test_dropout_on_cuda_draws_one_mask_for_both_forwards(method):
     assert len(recorder.seen) == 2 and recorder.seen[0].any()
     assert torch.equal(recorder.seen[0], recorder.seen[1])
     assert torch.equal(torch.cuda.get_rng_state(), after_one_forward)
+
+
+# --- data parallelism's weight digest ---------------------------------------------------
+
+def test_the_weight_digest_sees_permutations_and_single_bits_but_not_blocks():
+    """What the data-parallel ranks compare of their weights: a permutation of an
+    embedding's rows (equal plain sums) or one bit of one bf16 element changes the
+    digest; the block size, which ranks need not share, does not."""
+    from forge_kernels.zeroth_order.data_parallel import weights_digest
+    model = _Small(torch.float32)
+    params = [p for p in model.parameters()]
+    digest = weights_digest(params, 2**20)
+    assert weights_digest(params, 1) == weights_digest(params, 7) == digest
+    with torch.no_grad():
+        model.tok.weight.copy_(model.tok.weight.flip(0))
+    assert weights_digest(params, 2**20) != digest
+    half = [p.detach().to(torch.bfloat16) for p in _Small(torch.float32).parameters()]
+    flipped = [t.clone() for t in half]
+    flipped[2].view(torch.int16)[0] ^= 1
+    assert weights_digest(half, 2**20) != weights_digest(flipped, 2**20)

@@ -41,11 +41,20 @@ def test_two_data_parallel_ranks_give_the_single_process_step(method, rank_pool)
     ("MeZO", "shape", "RankRefusedError", r"rank\(s\) \[0\]"),
     ("GRZO", "seed", "ValueError", r"disagree on the seed \(\[12, 11\]\)"),
     ("MeZO", "seed", "ValueError", r"disagree on the seed \(\[12, 11\]\)"),
+    ("GRZO", "lr", "ValueError", r"disagree on lr \(rank\(s\) \[1\] differ from rank 0"),
+    ("MeZO", "lr", "ValueError", r"disagree on lr \(rank\(s\) \[1\] differ from rank 0"),
+    ("GRZO", "sigma", "ValueError", r"disagree on sigma \(rank\(s\) \[1\]"),
+    ("MeZO", "eps", "ValueError", r"disagree on eps \(rank\(s\) \[1\]"),
+    ("GRZO", "normalize", "ValueError", r"disagree on normalize \(rank\(s\) \[1\]"),
+    ("MeZO", "weight_decay", "ValueError", r"disagree on weight_decay \(rank\(s\) \[1\]"),
+    ("GRZO", "weights", "ValueError", "hold different weights"),
+    ("MeZO", "weights", "ValueError", "hold different weights"),
 ])
 def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(method, fault, error, message, rank_pool):
     """Rank 0 alone has the fault; rank 1 raises too (no rank is left waiting in a
     collective) and GRZO's parameters are untouched on both (MeZO's restore may drift:
-    properties/test_zeroth_order_mezo.py)."""
+    properties/test_zeroth_order_mezo.py). A hyperparameter or weights that differ used
+    to go unnoticed: the ranks stepped apart silently."""
     results = rank_pool(WORLD).run(jobs.refused_everywhere, method, BATCH, fault)
     for rank, (raised, unchanged) in enumerate(results):
         assert raised is not None, f"rank {rank} took the step"
@@ -53,6 +62,21 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(method, fault, error, 
             assert raised[0] == error and re.search(message, raised[1]), (rank, raised)
         if method == "GRZO":
             assert unchanged, f"rank {rank} wrote its parameters"
+
+
+@pytest.mark.exactness
+def test_mezo_weighs_each_ranks_mean_loss_alike_whatever_its_local_batch(rank_pool):
+    """MeZO's closure returns a scalar, so unequal local batches (rank 0 holds one example
+    fewer) cannot be seen, and are not refused as GRZO's are: every rank takes the single
+    process's step whose loss is the mean of the two ranks' means (3 and 4 examples
+    weighing 1/2 each), bitwise."""
+    data = tuple(part[1:] for part in batch_invariant_data(2 * BATCH))
+    single = zeroth_order_steps("MeZO", STEPS, data, sizes=[BATCH - 1, BATCH])
+    plain = zeroth_order_steps("MeZO", STEPS, data, sizes=[2 * BATCH - 1])
+    assert any(not torch.equal(single[n], plain[n]) for n in single), "the weighting changed nothing"
+    for rank, params in enumerate(rank_pool(WORLD).run(jobs.unequal_batch_steps, STEPS, 2 * BATCH)):
+        for name, value in single.items():
+            assert_bitwise_equal(params[name], value, f"rank {rank} {name}")
 
 
 @pytest.mark.exactness

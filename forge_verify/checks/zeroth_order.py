@@ -311,19 +311,21 @@ def zeroth_order_optimizer(method: str, model, group=None):
     raise ValueError(f"method must be GRZO or MeZO, got {method!r}")
 
 
-def mean_of_rank_means(losses: torch.Tensor, world: int) -> torch.Tensor:
-    """What MeZO's data-parallel loss is: the mean over ``world`` equal slices of the
-    per-example losses of each slice's mean, in the order the all-reduce forms it
-    (the sum over ranks, then the division)."""
+def mean_of_rank_means(losses: torch.Tensor, sizes: list) -> torch.Tensor:
+    """What MeZO's data-parallel loss is: the mean over the ranks, whose local batches
+    are ``sizes`` (in rank order), of each rank's mean loss, in the order the all-reduce
+    forms it (the sum over ranks, then the division): each rank weighs 1/W."""
     total = torch.zeros((), dtype=torch.float64)
-    for part in losses.chunk(world):
+    for part in losses.split(sizes):
         total = total + part.mean()
-    return total / world
+    return total / len(sizes)
 
 
-def zeroth_order_steps(method: str, steps: int, data: tuple, world: int = 1, group=None) -> dict:
+def zeroth_order_steps(method: str, steps: int, data: tuple, world: int = 1, group=None, sizes=None) -> dict:
     """The parameters of ``BatchInvariantModel`` after ``steps`` steps on ``data`` (this
-    process's examples), as {name: tensor}."""
+    process's examples), as {name: tensor}. Single process (``group`` None): MeZO's loss
+    is that of ``world`` ranks with equal slices, or with local batches ``sizes``."""
+    sizes = sizes or [len(data[0]) // world] * world
     model = BatchInvariantModel()
     opt = zeroth_order_optimizer(method, model, group)
     if method == "GRZO":
@@ -333,7 +335,7 @@ def zeroth_order_steps(method: str, steps: int, data: tuple, world: int = 1, gro
         def closure():
             # the single process (group None) forms the mean of the ranks' means itself
             losses = model(*data)
-            return losses.mean() if group is not None else mean_of_rank_means(losses, world)
+            return losses.mean() if group is not None else mean_of_rank_means(losses, sizes)
     for _ in range(steps):
         opt.step(closure)
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -25,20 +25,31 @@ def data_parallel_steps(method: str, steps: int, batch: int) -> dict:
     return zeroth_order_steps(method, steps, local, group=dist.group.WORLD)
 
 
+#: a hyperparameter fault: rank 0's value of that name in param_groups[0]
+_SETTING_FAULTS = {"lr": 0.5, "sigma": 0.02, "eps": 0.02, "weight_decay": 0.1, "normalize": "none"}
+
+
 def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
     """(the error this rank raised as (type name, message), whether its parameters are
     unchanged) when rank 0 alone has a ``fault``: "nan" (a non-finite loss), "shape" (a
-    closure returning the wrong thing), "batch" (one example fewer than the others) or
-    "seed" (another seed)."""
+    closure returning the wrong thing), "batch" (one example fewer than the others),
+    "seed" (another seed), a hyperparameter's name (another value of it, set in
+    param_groups as a scheduler would) or "weights" (its embedding's rows in reverse
+    order: a permutation, which a plain sum of the weights would not see)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, features, targets = _local(batch_invariant_data(batch), rank, world)
     if fault == "batch" and rank == 0:
         tokens, features, targets = tokens[1:], features[1:], targets[1:]
     model = BatchInvariantModel()
+    if fault == "weights" and rank == 0:
+        with torch.no_grad():
+            model.tok.weight.copy_(model.tok.weight.flip(0))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = zeroth_order_optimizer(method, model, group=dist.group.WORLD)
     if fault == "seed" and rank == 0:
         opt.seed += 1
+    if fault in _SETTING_FAULTS and rank == 0:
+        opt.param_groups[0][fault] = _SETTING_FAULTS[fault]
 
     def closure():
         losses = model(tokens, features, targets)
@@ -54,6 +65,16 @@ def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
         error = (type(caught).__name__, str(caught))
     unchanged = all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
     return error, unchanged
+
+
+def unequal_batch_steps(steps: int, batch: int) -> dict:
+    """This rank's parameters after ``steps`` MeZO steps when rank 0 holds one example
+    fewer than its slice (MeZO cannot see a local batch: not refused)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = _local(batch_invariant_data(batch), rank, world)
+    if rank == 0:
+        local = tuple(part[1:] for part in local)
+    return zeroth_order_steps("MeZO", steps, local, group=dist.group.WORLD)
 
 
 class ColumnParallelModel(nn.Module):

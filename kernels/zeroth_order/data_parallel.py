@@ -11,17 +11,28 @@ perturbs examples r·b, ..., r·b + b - 1; then
 * MeZO all-reduces its two scalar losses (the mean over ranks of the ranks' mean
   losses: 2 float64 numbers per rank per step).
 
-Before the losses, each rank sends four integers (its local batch, whether its forwards
-succeeded, its seed and its call counter), so that a refusal on one rank is a refusal
-on every rank (no rank waits in a collective the others skipped, and nothing is
-written anywhere) and ranks that disagree on the seed or the counter, which would
-silently step apart, are refused.
+Before the losses, each rank sends one row of int64s: its local batch, whether its
+forwards succeeded, its seed, its call counter, its hyperparameters (each float's bits;
+a string's hash) and, at the first step after construction or ``load_state_dict``, a
+digest of its weights (``weights_digest``; -1 at other steps), so that a refusal on one
+rank is a refusal on every rank (no rank waits in a collective the others skipped, and
+nothing is written anywhere) and ranks that would silently step apart (another seed,
+counter, lr, σ or ε, eps, weight decay, normalization, or other weights) are refused,
+naming what differs. The weights are digested once, not at every step: with the rest
+equal every rank takes the same step, and a digest reads every weight (block by block).
 """
+
+import struct
 
 import torch
 import torch.distributed as dist
 
 from .._collectives import wire_device
+from ..ops.stochastic_round import _splitmix64
+from .draws import name_hash
+
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
+_MASK64 = 2**64 - 1
 
 
 class RankRefusedError(RuntimeError):
@@ -37,12 +48,44 @@ def group_rank(group) -> tuple:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def agree(group, method: str, batch: int, ok: bool, seed: int, call: int) -> None:
-    """Exchange (batch, ok, seed, call) and raise on every rank unless every rank
-    succeeded with equal local batches, seeds and counters. A rank whose own forwards
-    failed re-raises its own error after this (the caller's job)."""
+def _as_int64(value) -> int:
+    """A setting as one int64: a float's bits, a string's hash (equal exactly when equal)."""
+    if isinstance(value, str):
+        return name_hash(value) >> 1
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def weights_digest(params, block_elements: int) -> int:
+    """A digest (below 2**63) of the parameters' bits in which each element's place
+    counts, so permuted weights differ: per parameter Σ_k bits_k · (2k + 1) over its
+    row-major index k, in int64 (wrapping modulo 2**64, so the order of the sum does not
+    matter), taken in blocks of about ``block_elements`` along dim 0 (no weight-sized
+    temporary); the parameters' sums chained through SplitMix64 in order."""
+    digest = 0
+    for param in params:
+        data = param.detach()
+        data = data.reshape(-1) if data.dim() < 2 else data
+        row = data.numel() // max(1, data.shape[0])
+        per_block = max(1, block_elements // max(1, row))
+        total = 0
+        for start in range(0, data.shape[0], per_block):
+            bits = data[start:start + per_block].reshape(-1).view(_BITS[data.dtype]).to(torch.int64)
+            place = torch.arange(start * row, start * row + bits.numel(), device=bits.device, dtype=torch.int64)
+            total += int((bits * (2 * place + 1)).sum())
+        digest = _splitmix64(digest ^ (total & _MASK64))
+    return digest >> 1
+
+
+def agree(group, method: str, batch: int, ok: bool, seed: int, call: int, settings: dict, digest: int = -1) -> None:
+    """Exchange (batch, ok, seed, call, ``settings``' values, ``digest``) and raise on
+    every rank unless every rank succeeded with equal local batches, seeds, counters,
+    settings and digests. ``settings``: {name: float or str}, the same names on every
+    rank (a failed rank's values are not read); ``digest``: ``weights_digest`` or -1
+    (not digested at this step). A rank whose own forwards failed re-raises its own
+    error after this (the caller's job)."""
     _, world = group_rank(group)
-    mine = torch.tensor([batch, int(ok), seed, call], dtype=torch.int64, device=wire_device(group))
+    values = [_as_int64(v) for v in settings.values()] if ok else [0] * len(settings)
+    mine = torch.tensor([batch, int(ok), seed, call, digest, *values], dtype=torch.int64, device=wire_device(group))
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     table = torch.stack(everyone).cpu()
@@ -56,10 +99,38 @@ def agree(group, method: str, batch: int, ok: bool, seed: int, call: int) -> Non
         if not bool((table[:, column] == table[0, column]).all()):
             raise ValueError(f"{method}: the data-parallel ranks disagree on the {what} "
                              f"({table[:, column].tolist()}); their draws would differ, so no step was taken")
+    for column, (name, value) in enumerate(settings.items(), start=5):
+        differing = [r for r in range(world) if table[r, column] != table[0, column]]
+        if differing:
+            raise ValueError(f"{method}: the data-parallel ranks disagree on {name} (rank(s) {differing} differ "
+                             f"from rank 0; this rank has {value!r}); their steps would differ, so no step was taken")
+    if not bool((table[:, 4] == table[0, 4]).all()):
+        raise ValueError(f"{method}: the data-parallel ranks hold different weights (digests "
+                         f"{table[:, 4].tolist()}; -1: a rank that did not digest them, having neither been built "
+                         f"nor loaded a state since its last step); load the same weights on every rank; "
+                         f"no step was taken")
     if not bool((table[:, 0] == table[0, 0]).all()):
         raise ValueError(f"{method}: the data-parallel ranks hold unequal local batches "
                          f"({table[:, 0].tolist()}); equal ones are needed (rank r holds global "
                          f"examples r·b, ..., r·b + b - 1); no step was taken")
+
+
+def agreed(opt, local, batch_of):
+    """``local()`` (this rank's forwards) run inside the refusal every rank of
+    ``opt.group`` shares: the agreement on its batch (``batch_of`` its result), seed,
+    counter and ``opt.HYPERPARAMETERS`` from ``opt.param_groups[0]`` and, where
+    ``opt.digest_weights``, on the weights (digested before ``local`` moves any)."""
+    settings = {name: opt.param_groups[0][name] for name in opt.HYPERPARAMETERS}
+    try:
+        params = opt.param_groups[0]["params"]
+        digest = weights_digest(params, opt.block_elements) if opt.digest_weights else -1
+        result = local()
+    except Exception:
+        agree(opt.group, opt.method, 0, False, opt.seed, opt.call, settings)
+        raise
+    agree(opt.group, opt.method, batch_of(result), True, opt.seed, opt.call, settings, digest)
+    opt.digest_weights = False
+    return result
 
 
 def gather_losses(group, plus: torch.Tensor, minus: torch.Tensor) -> tuple:

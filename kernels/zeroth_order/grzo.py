@@ -145,7 +145,9 @@ class GRZO(OneGroupOptimizer):
     ``group``: the data-parallel process group whose ranks hold the other examples of
     the batch, b each, rank r global examples r·b, ..., r·b + b - 1 (None: this process
     holds the whole batch). Every refusal is then collective: one rank's bad closure,
-    unequal local batches or different seeds refuse the step on every rank.
+    unequal local batches, or a seed, counter, hyperparameter or (at the first step after
+    construction or ``load_state_dict``) weights differing from rank 0's refuse the step
+    on every rank, naming what differs (``data_parallel``).
     ``shards``: {parameter name: ``Shard(full_shape, offset)`` or (full_shape, offset)}
     for parameters that are tensor-parallel shards of a larger whole of the same name.
     """
@@ -166,6 +168,7 @@ class GRZO(OneGroupOptimizer):
         self.group = group
         self.data_rank, self.data_world = data_parallel.group_rank(group)
         self.call = 0
+        self.digest_weights = True  # the ranks' weights are compared at the next step
         super().__init__([t.param for t in self.targets], hyperparameters)
 
     def _local_forwards(self, closure, draws):
@@ -205,12 +208,8 @@ class GRZO(OneGroupOptimizer):
         """The losses of the whole batch at +σ and -σ and its size B (all ranks')."""
         if self.group is None:
             return self._local_forwards(closure, draws)
-        try:
-            plus, minus, batch = self._local_forwards(closure, draws)
-        except Exception:
-            data_parallel.agree(self.group, self.method, 0, False, self.seed, self.call)
-            raise
-        data_parallel.agree(self.group, self.method, batch, True, self.seed, self.call)
+        plus, minus, batch = data_parallel.agreed(self, lambda: self._local_forwards(closure, draws),
+                                                  lambda result: result[2])
         plus, minus = data_parallel.gather_losses(self.group, plus, minus)
         return plus, minus, plus.numel()
 
@@ -347,5 +346,5 @@ class GRZO(OneGroupOptimizer):
         seed = check_seed(state["seed"])
         call = check_call(state["call"])
         group = self.checked_group_state(state["param_groups"])
-        self.seed, self.call = seed, call
+        self.seed, self.call, self.digest_weights = seed, call, True
         self.param_groups[0].update(group)

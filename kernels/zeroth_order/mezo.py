@@ -12,7 +12,9 @@ therefore changes the weights by at most that drift, and nothing else.
 Data parallelism (``group``): every rank draws the same z (shared seed and counter) and
 the two losses are averaged over the ranks (``data_parallel.average_losses``: 2 float64
 numbers per rank per step), so every rank takes the same step: the single-process step
-whose loss is the mean of the ranks' mean losses. Tensor parallelism (``shards``): z of
+whose loss is the mean of the ranks' mean losses. Each rank's mean weighs 1/W whatever
+its local batch: unequal local batches are not refused (a scalar loss does not show
+its batch, so the ranks cannot compare them) but weigh their examples unequally. Tensor parallelism (``shards``): z of
 a shard is drawn at the whole's global (row-major) indices, the slice of the whole's z.
 
 Where the draws run as kernels (``draws.kernels_for``: CUDA by default), each shift and
@@ -58,7 +60,8 @@ class MeZO(OneGroupOptimizer):
     loss raises ``NonFiniteLossError`` after the restore, with no step and the counter kept.
     An ε that moved no loss (L⁺ = L⁻ bit for bit: in bf16 a small ε is rounded away)
     takes no step and warns (``NoStepWarning``, naming ε and the dtype; the counter advances).
-    ``group`` and ``shards`` as for ``GRZO`` (the module docstring says what is exchanged).
+    ``group`` and ``shards`` as for ``GRZO`` (the module docstring says what is exchanged),
+    except that unequal local batches are not refused (module docstring).
     """
 
     method = "MeZO"
@@ -87,6 +90,7 @@ class MeZO(OneGroupOptimizer):
         self.group = group
         data_parallel.group_rank(group)
         self.call = 0
+        self.digest_weights = True  # the ranks' weights are compared at the next step
         super().__init__([p for _, p in self.params], hyperparameters)
 
     def _check_shiftable(self, name, param):
@@ -197,12 +201,8 @@ class MeZO(OneGroupOptimizer):
         if self.group is None:
             plus, minus = self._local_losses(closure)
         else:
-            try:
-                local = self._local_losses(closure)
-            except Exception:
-                data_parallel.agree(self.group, self.method, 1, False, self.seed, self.call)
-                raise
-            data_parallel.agree(self.group, self.method, 1, True, self.seed, self.call)
+            # the closure's scalar loss says nothing of the local batch: 1 stands for it
+            local = data_parallel.agreed(self, lambda: self._local_losses(closure), lambda _: 1)
             plus, minus = data_parallel.average_losses(self.group, local)
         if not (torch.isfinite(plus) and torch.isfinite(minus)):
             raise NonFiniteLossError("the loss is not finite (NaN or infinity); no step was taken "
@@ -270,5 +270,5 @@ class MeZO(OneGroupOptimizer):
         seed = check_seed(state["seed"])
         call = check_call(state["call"])
         group = self.checked_group_state(state["param_groups"])
-        self.seed, self.call = seed, call
+        self.seed, self.call, self.digest_weights = seed, call, True
         self.param_groups[0].update(group)
