@@ -62,6 +62,30 @@ def test_another_backends_section_is_left_alone(sgd_case, tmp_path):
     assert gate.load(path)["backends"][_other_backend()] == other
 
 
+def test_another_backends_section_is_named_and_said_to_be_unchecked(sgd_case, tmp_path, capsys):
+    """A run cannot check the other backend's bits; it says so, with where that section was
+    recorded, and whether it was recorded from this run's case definitions and inputs."""
+    path = tmp_path / "gate.json"
+    gate.run_gate(path, update=True)
+    baseline = json.loads(path.read_text())
+    other = copy.deepcopy(baseline["backends"][gate.current_backend()])
+    other["provenance"] = {"device": "elsewhere", "torch": "0.1"}
+    baseline["backends"][_other_backend()] = other
+    path.write_text(json.dumps(baseline))
+    capsys.readouterr()
+    assert gate.run_gate(path) == 0
+    line = f"{_other_backend()}: baseline recorded with device elsewhere, torch 0.1; not checked by this run " \
+           f"(its bits are measured only there: {gate.CHECK_COMMAND[_other_backend()]})\n"
+    assert line in capsys.readouterr().out
+
+    del other["cases"][sgd_case.key]["inputs"]
+    path.write_text(json.dumps(baseline))
+    assert gate.run_gate(path) == 0
+    assert f"1 of the 1 cases run here were recorded there for another case definition or other inputs (or " \
+           f"not at all), so it must be recorded again with {gate.UPDATE_COMMAND[_other_backend()]}" in \
+           capsys.readouterr().out
+
+
 def test_a_backend_is_recorded_only_where_kernels_run_on_it(sgd_case, tmp_path):
     assert gate.run_gate(tmp_path / "gate.json", update=True, backend=_other_backend()) == 2
     assert not (tmp_path / "gate.json").exists()

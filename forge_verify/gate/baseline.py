@@ -18,6 +18,10 @@ case's definition, a fingerprint of its inputs, the fingerprints of everything
 * the canonical set and the baseline disagree (a case added or removed), or the
   current backend has no baseline.
 
+The other backend's section cannot be checked here; a run prints one line naming where
+it was recorded, the command that checks it, and whether it is stale (recorded for other
+case definitions or inputs).
+
 ``forge-verify gate --update`` rewrites the current backend's section (only that one),
 refusing when a proven bound is exceeded, and prints the diff for review.
 """
@@ -48,6 +52,8 @@ REGRESSION_SLACK = {"enclosure_use": 0.02, "reference_max_ulp": 1.0, "exact_max_
                     "exact_bias_ulp": 0.1, "exact_spread_ulp": 0.1, "exact_relative_rms": 1e-4}
 UPDATE_COMMAND = {"cpu-interpreter": "`forge-verify gate --update` on a machine without a GPU",
                   "gpu": "`bash .ci/gpu-gate --update --backend gpu` on the GPU machine"}
+CHECK_COMMAND = {"cpu-interpreter": "`forge-verify gate` on a machine without a GPU",
+                 "gpu": "`bash .ci/gpu-gate` on the GPU machine"}
 
 
 def current_backend() -> str:
@@ -232,9 +238,8 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
         stale = sorted(set(recorded_cases) - set(measured))
         failures += [f"{key}: in the baseline but no longer a canonical case" for key in stale]
     for other in BACKENDS:
-        if other != here and other not in baseline["backends"]:
-            print(f"{other}: no baseline recorded yet, so this run checks nothing for it; record one with "
-                  f"{UPDATE_COMMAND[other]}")
+        if other != here:
+            print(_other_backend(other, baseline["backends"].get(other), measured))
     if section is None:
         failures.append(f"{here}: no baseline recorded for this backend; only the proven bounds were checked. "
                         f"Record one with {UPDATE_COMMAND[here]} and review the result")
@@ -249,6 +254,25 @@ def run_gate(baseline_path: Path = BASELINE, update: bool = False, backend: str 
     print(f"forge-verify gate: {verdict} ({len(rows)} of {len(cases)} canonical cases run, "
           f"{len(failures)} failure(s))")
     return 1 if failures else 0
+
+
+def _other_backend(other: str, section, measured: dict) -> str:
+    """The line a run prints about another backend's section, which it cannot check: where
+    it was recorded, how to check it, and whether it is stale against this run's cases
+    (the case definitions and inputs are the same on every backend)."""
+    if section is None:
+        return (f"{other}: no baseline recorded yet, so this run checks nothing for it; record one with "
+                f"{UPDATE_COMMAND[other]}")
+    recorded = ", ".join(f"{key} {value}" for key, value in sorted(section["provenance"].items()))
+    line = (f"{other}: baseline recorded with {recorded}; not checked by this run (its bits are measured only "
+            f"there: {CHECK_COMMAND[other]})")
+    stale = [key for key, entry in measured.items()
+             if key not in section["cases"] or _staleness(section["cases"][key], entry)]
+    if stale:
+        line += (f"; {len(stale)} of the {len(measured)} cases run here were recorded there for another case "
+                 f"definition or other inputs (or not at all), so it must be recorded again with "
+                 f"{UPDATE_COMMAND[other]}")
+    return line
 
 
 def _update(baseline, path, here, old_section, measured, failures) -> int:
