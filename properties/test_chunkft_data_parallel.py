@@ -62,6 +62,18 @@ def test_split_generic_batches_leave_every_rank_with_the_same_bits(rank_pool):
 
 
 def test_ranks_configured_differently_or_with_other_weights_are_refused_on_every_rank(rank_pool):
-    for configuration, weights in rank_pool(WORLD_SIZE).run(jobs.differing_setups_are_refused):
-        assert configuration is not None and "configured differently on ranks [1]" in configuration, configuration
-        assert weights is not None and "needs the same weights on every rank; ['embed.weight'," in weights, weights
+    """Each refusal names what differs, on every rank; a rank that refuses its own model
+    makes the others refuse too, naming it, instead of leaving them in a collective."""
+    differently = "configured differently on ranks [1] than on rank 0 of the process group: "
+    for rank, errors in enumerate(rank_pool(WORLD_SIZE).run(jobs.differing_setups_are_refused)):
+        expected = {"chunks": differently + "['chunks', 'plan'] differ",
+                    "lr": differently + "['lr'] differ",
+                    "weight_decay": differently + "['rule'] differ",
+                    "rounding": differently + "['rounding'] differ",
+                    "weights": "needs the same weights on every rank; ['embed.weight',",
+                    "permuted": "needs the same weights on every rank; ['embed.weight'] differ",
+                    "local": ("ChunkFT cannot train these parameters: 'rms.weight' (torch.float64" if rank == 1 else
+                              "ChunkFT was refused on ranks [1] of the process group (ValueError: ChunkFT cannot "
+                              "train these parameters: 'rms.weight'")}
+        for case, text in expected.items():
+            assert errors[case] is not None and text in errors[case], (rank, case, errors[case])

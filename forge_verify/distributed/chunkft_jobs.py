@@ -159,19 +159,47 @@ def split_batch_deviation(problem: ChunkProblem, rule, chunks, split, steps):
             "relative": float(torch.cat([(a[n] - b[n]).flatten() for n in a]).norm() / change)}
 
 
+def _refusal(build):
+    """The error ``build()`` raised on this rank (None: it was accepted)."""
+    try:
+        build()
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def differing_setups_are_refused():
-    """Job: a controller whose chunk count differs between the ranks, then one whose model
-    weights do; returns the errors each rank raised (every rank must refuse, none may
-    hang in a collective)."""
-    errors = []
-    for chunks, seed in ((2 + dist.get_rank(), 0), (2, dist.get_rank())):
-        model = ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=seed).model()
-        try:
-            fk.ChunkFT(model, fk.SGD(lr=0.1), chunks, process_group=dist.group.WORLD)
-            errors.append(None)
-        except ValueError as error:
-            errors.append(str(error))
-    return errors
+    """Job: controllers that differ between the ranks in one respect each; returns
+    {case: the error this rank raised, or None}. Every rank must refuse each (none may
+    hang in a collective or be left waiting by a peer that refused alone):
+
+    * "chunks", "lr", "weight_decay", "rounding": the configuration;
+    * "weights": another seed; "permuted": two embedding rows swapped on rank 1 (the same
+      multiset of bits, in other places);
+    * "local": rank 1's model has a float64 norm weight, which it refuses before any
+      collective."""
+    rank = dist.get_rank()
+
+    def model(seed=0):
+        return ChunkProblem(vocab=5, width=4, hidden=4, batch=1, length=2, seed=seed).model()
+
+    def controller(net=None, rule=None, chunks=2, **options):
+        return fk.ChunkFT(model() if net is None else net, rule or fk.SGD(lr=0.1), chunks,
+                          process_group=dist.group.WORLD, **options)
+
+    permuted, local = model(), model()
+    with torch.no_grad():
+        if rank == 1:
+            permuted.embed.weight[[1, 2]] = permuted.embed.weight[[2, 1]].clone()
+            local.rms.weight.data = local.rms.weight.data.double()
+    cases = {"chunks": lambda: controller(chunks=2 + rank),
+             "lr": lambda: controller(rule=fk.AdamW(lr=1e-2 * (rank + 1))),
+             "weight_decay": lambda: controller(rule=fk.AdamW(lr=1e-2, weight_decay=0.1 * rank)),
+             "rounding": lambda: controller(rounding=("stochastic", "nearest")[rank]),
+             "weights": lambda: controller(model(seed=rank)),
+             "permuted": lambda: controller(permuted),
+             "local": lambda: controller(local)}
+    return {case: _refusal(build) for case, build in cases.items()}
 
 
 class _TensorParallel(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import PINNED
+from ..config import PINNED, TileConfig
 from ..ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from ..ops.stochastic_round import check_seed
 from ..ops.weight_gradient import weight_gradient
@@ -160,51 +160,16 @@ class ChunkFT(torch.optim.Optimizer):
     def __init__(self, model, rule, chunks, switch_every=1, split="rows", order="cyclic", state_store="device",
                  seed=0, *, state_format="fp32", rounding=None, config=None, process_group=None, shards=None,
                  prefetch=False):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError("ChunkFT reduces the active chunk's gradients itself: pass the unwrapped module "
-                             "(ddp.module) with process_group=<the data-parallel group>, not a "
-                             "DistributedDataParallel wrapper (its hooks wait for .grad, which ChunkFT never fills)")
-        if not isinstance(rule, Rule):
-            raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
-        if isinstance(switch_every, bool) or not isinstance(switch_every, int) or switch_every < 1:
-            raise ValueError(f"switch_every must be a positive integer, got {switch_every!r}")
-        for name, value, allowed in (("split", split, SPLITS), ("order", order, ORDERS),
-                                     ("state_store", state_store, STATE_STORES),
-                                     ("rounding", rounding, (None, *ROUNDINGS))):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        self.model, self.rule, self.chunks, self.switch_every = model, rule, chunks, switch_every
-        self.split, self.order, self.state_store, self.seed = split, order, state_store, check_seed(seed)
-        if not isinstance(prefetch, bool):
-            raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
-        if prefetch and state_store != "host":
-            raise ValueError("prefetch=True copies the next chunk's state from the host: it needs state_store='host'")
-        self.state_format, self.rounding, self.config = state_format, rounding, config
-        self._group = process_group
         if process_group is not None:
             data_parallel.check_group(process_group)
-        self._params, self._owner = _trainable(model)
-        self._placements = shard_plan.placements(self._params, {} if shards is None else shards, state_format == "q8")
-        sharded = sorted(name for name in (shards or {}) if not isinstance(self._owner[name][0], nn.Linear))
-        if sharded:
-            raise ValueError(f"shards names {sharded}: ChunkFT steps shards of nn.Linear weights and biases only "
-                             "(a vocabulary-parallel embedding or a sharded norm is not supported)")
-        embeddings = {name for name, (module, _) in self._owner.items() if isinstance(module, nn.Embedding)}
-        global_tensors = [(name, shard_plan.global_tensor(p, self._placements[name]))
-                          for name, p in self._params.items()]
-        self._costs = tensor_costs(global_tensors, rule, state_format, split, along_rows=embeddings)
-        self._plan = plan_chunks(self._costs, chunks)
-        # The plan is global; what this rank steps is each piece's part inside its shard.
-        self._by_name = []
-        for pieces in self._plan:
-            local = {}
-            for piece in pieces:
-                part = shard_plan.local_piece(piece, self._params[piece.name], self._placements[piece.name])
-                if part is not None:
-                    local[piece.name] = part
-            self._by_name.append(local)
+        self._group = process_group
+        # A refusal on one rank is a refusal on every rank, before the collectives below.
+        with data_parallel.refused_together(process_group):
+            _check_arguments(model, rule, switch_every, split, order, state_store, rounding, config, prefetch)
+            self.model, self.rule, self.chunks, self.switch_every = model, rule, chunks, switch_every
+            self.split, self.order, self.state_store, self.seed = split, order, state_store, check_seed(seed)
+            self.state_format, self.rounding, self.config = state_format, rounding, config
+            self._plan_for(shards)
         self._seeds = {name: tensor_seed(self.seed, i) for i, name in enumerate(self._params)}
         self._module_params = {}
         for name, (module, attr) in self._owner.items():
@@ -217,12 +182,38 @@ class ChunkFT(torch.optim.Optimizer):
         self._phase = None
         self._forwarded = set()
         if process_group is not None:  # before the model is touched: a refusal leaves it as it was
-            data_parallel.check_same_on_every_rank(repr(self._describe()), process_group)
+            # The initial learning rate too: ranks stepping at other rates would drift apart.
+            data_parallel.check_same_on_every_rank(self._describe() | {"lr": rule.lr}, process_group)
             data_parallel.check_same_weights(self._params, process_group)
         super().__init__(list(self._params.values()), {"lr": rule.lr})
         self._hooks = [param.register_hook(self._outside_gradient(name)) for name, param in self._params.items()]
         for module in self._module_params:
             module.forward = _forward_of(self, module)
+
+    def _plan_for(self, shards):
+        """The trainable parameters, their shards' placements, the global plan and this
+        rank's part of it."""
+        self._params, self._owner = _trainable(self.model)
+        self._placements = shard_plan.placements(self._params, {} if shards is None else shards,
+                                                 self.state_format == "q8")
+        sharded = sorted(name for name in (shards or {}) if not isinstance(self._owner[name][0], nn.Linear))
+        if sharded:
+            raise ValueError(f"shards names {sharded}: ChunkFT steps shards of nn.Linear weights and biases only "
+                             "(a vocabulary-parallel embedding or a sharded norm is not supported)")
+        embeddings = {name for name, (module, _) in self._owner.items() if isinstance(module, nn.Embedding)}
+        global_tensors = [(name, shard_plan.global_tensor(p, self._placements[name]))
+                          for name, p in self._params.items()]
+        self._costs = tensor_costs(global_tensors, self.rule, self.state_format, self.split, along_rows=embeddings)
+        self._plan = plan_chunks(self._costs, self.chunks)
+        # The plan is global; what this rank steps is each piece's part inside its shard.
+        self._by_name = []
+        for pieces in self._plan:
+            local = {}
+            for piece in pieces:
+                part = shard_plan.local_piece(piece, self._params[piece.name], self._placements[piece.name])
+                if part is not None:
+                    local[piece.name] = part
+            self._by_name.append(local)
 
     # ----- the schedule -------------------------------------------------------------
     def chunk_at(self, t: int) -> int:
@@ -504,6 +495,30 @@ class ChunkFT(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _check_arguments(model, rule, switch_every, split, order, state_store, rounding, config, prefetch):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("ChunkFT reduces the active chunk's gradients itself: pass the unwrapped module "
+                         "(ddp.module) with process_group=<the data-parallel group>, not a "
+                         "DistributedDataParallel wrapper (its hooks wait for .grad, which ChunkFT never fills)")
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
+    if isinstance(switch_every, bool) or not isinstance(switch_every, int) or switch_every < 1:
+        raise ValueError(f"switch_every must be a positive integer, got {switch_every!r}")
+    for name, value, allowed in (("split", split, SPLITS), ("order", order, ORDERS),
+                                 ("state_store", state_store, STATE_STORES),
+                                 ("rounding", rounding, (None, *ROUNDINGS))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if config is not None and not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a forge_kernels.TileConfig, got {type(config).__name__}")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    if prefetch and state_store != "host":
+        raise ValueError("prefetch=True copies the next chunk's state from the host: it needs state_store='host'")
 
 
 def _forward_of(ctl, module):
