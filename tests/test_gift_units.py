@@ -203,3 +203,28 @@ def test_overlap_is_refused_where_the_thread_does_not_work(monkeypatch):
         fk.gift.gift_hook(state, _Bucket(torch.zeros(4, device="meta")))
     with pytest.raises(ValueError, match="overlap must be"):
         fk.gift.GiftState(None, "e4m3", layers=(), overlap="yes")
+
+
+@pytest.mark.parametrize("changed", [{"fmt": "nvfp4"}, {"scaling": "power_of_two"}, {"rank": 8}, {"damping": 1.0},
+                                     {"error_feedback": False}, {"transform": "identity"}])
+def test_a_state_loads_only_into_the_configuration_it_was_saved_with(changed):
+    """Residuals made by one format, factors of one rank, damping and transform mean nothing
+    to another state: loading them was accepted silently (a state without error feedback
+    even kept the residuals unsent). The exchange may differ (the shard residuals fold in);
+    a state saved before the configuration was kept loads as it did."""
+    layer = nn.Linear(16, 8, bias=False)
+    arguments = {"fmt": "e4m3", "rank": 4, "damping": 1e-3}
+    saved = fk.gift.GiftState(None, layers=[layer], **arguments).state_dict([layer.weight])
+    other = fk.gift.GiftState(None, layers=[layer], **{**arguments, **changed})
+    with pytest.raises(ValueError, match=f"saved with {next(iter(changed))} "):
+        other.load_state_dict(saved, [layer.weight])
+    fk.gift.GiftState(None, layers=[layer], exchange="all_gather", **arguments).load_state_dict(saved, [layer.weight])
+    del saved["config"]
+    other.load_state_dict(saved, [layer.weight])
+
+
+def test_a_bucket_reducer_loads_only_into_the_configuration_it_was_saved_with():
+    saved = fk.gift.GiftSplitReducer("e4m3", None, damping=0.5).state_dict()
+    with pytest.raises(ValueError, match="saved with damping 0.5"):
+        fk.gift.GiftSplitReducer("e4m3", None).load_state_dict(saved)
+    fk.gift.GiftSplitReducer("e4m3", None, damping=0.5, exchange="all_gather").load_state_dict(saved)

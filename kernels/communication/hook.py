@@ -448,10 +448,29 @@ class GiftState:
                 self._add_layers(self.selection.freeze(self.process_group))
         return buffer
 
+    def configuration(self) -> dict:
+        """The arguments that give a saved state its meaning (``state_dict`` keeps them and
+        ``load_state_dict`` refuses another): the format and scaling its residuals were
+        made by, the transform, rank and damping of its factors, and whether it feeds back.
+        The exchange is left out: a state moves between the two (shard residuals fold in)."""
+        return {"fmt": self.fmt, "scaling": self.scaling, "transform": self.transform, "rank": self.rank,
+                "damping": self.damping, "error_feedback": self.error_feedback}
+
+    def check_configuration(self, saved) -> None:
+        """Refuse a state saved under another ``configuration()`` (None: saved before the
+        configuration was kept, accepted as it was)."""
+        mine = self.configuration()
+        if saved is not None and saved != mine:
+            differ = ", ".join(f"{key} {saved.get(key)!r} (this state: {mine[key]!r})"
+                               for key in mine if saved.get(key) != mine[key])
+            raise ValueError(f"the GIFT state was saved with {differ}: load it into a state made with the same "
+                             "arguments (the exchange may differ)")
+
     def state_dict(self, parameters) -> dict:
         """What resumes the hook bit for bit (with the model's and optimizer's own state):
-        step, transforms, residuals, covariance windows, digests, the selection. Parameters
-        are named by their index in ``parameters`` (the model's, in a fixed order)."""
+        step, transforms, residuals, covariance windows, digests, the selection, and the
+        ``configuration()``. Parameters are named by their index in ``parameters`` (the
+        model's, in a fixed order)."""
         if self._worker is not None:
             self._worker.submit(lambda: None).result()  # the reductions in flight first
         index = {id(p): i for i, p in enumerate(parameters)}
@@ -471,11 +490,14 @@ class GiftState:
                                     for key, (start, stop, r) in self.shard_residuals.items()},
                 "windows": windows, "digests": list(self.digests), "wire_bytes": dict(self.wire_bytes),
                 "received_bytes": dict(self.received_bytes),
-                "selection": self.selection.state_dict() if self.selection is not None else None}
+                "selection": self.selection.state_dict() if self.selection is not None else None,
+                "config": self.configuration()}
 
     def load_state_dict(self, state: dict, parameters) -> None:
         """Resume from ``state_dict(parameters)``; this state must have been made with the
-        same layers (or the same selection's candidates) of a model with the same parameters."""
+        same layers (or the same selection's candidates) of a model with the same parameters,
+        and the same ``configuration()``."""
+        self.check_configuration(state.get("config"))
         parameters = list(parameters)
         if self.selection is not None:
             self.selection.load_state_dict(state["selection"])

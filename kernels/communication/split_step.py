@@ -72,13 +72,16 @@ class GiftSplitReducer:
 
     def state_dict(self) -> dict:
         """The transform's factors and the residuals per bucket of rows (``(start, stop)``),
-        with the second residuals of the shards this rank owns (reduce-scatter exchange)."""
-        return {"whitening": None if self.whitening is None else [t.clone() for t in self.whitening.tensors()],
+        with the second residuals of the shards this rank owns (reduce-scatter exchange), and
+        the configuration they were made under (``GiftState.configuration``)."""
+        return {"config": self.state.configuration(),
+                "whitening": None if self.whitening is None else [t.clone() for t in self.whitening.tensors()],
                 "residuals": {key: r.clone() for key, r in self.state.residuals.items()},
                 "shard_residuals": {key: (a, b, r.clone()) for key, (a, b, r) in self.state.shard_residuals.items()},
                 "wire_bytes": dict(self.state.wire_bytes), "received_bytes": dict(self.state.received_bytes)}
 
     def load_state_dict(self, state: dict) -> None:
+        self.state.check_configuration(state.get("config"))
         self.whitening = None if state["whitening"] is None else Whitening(*[t.clone() for t in state["whitening"]])
         self.state.residuals = {tuple(key): r.clone() for key, r in state["residuals"].items()}
         self.state.shard_residuals = {tuple(key): (a, b, r.clone())
