@@ -258,12 +258,27 @@ def test_host_state_store_gives_the_device_stores_bits(device):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_remove_gives_the_model_its_forwards_back():
+def test_remove_gives_the_model_its_forwards_back_and_step_then_refuses():
+    """After remove() the model's own backward fills .grad; a ChunkFT step would step
+    nothing (and count a step): it is refused."""
     model = nn.Sequential(nn.Linear(3, 3))
     ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
     ctl.remove()
-    model(torch.randn(2, 3)).sum().backward()
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
     assert model[0].weight.grad is not None
+    weight = model[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"ChunkFT.step after remove\(\)"):
+        ctl.step(lambda: model(x).sum())
+    assert ctl.steps_taken == 0 and torch.equal(model[0].weight.detach(), weight)
+
+
+@pytest.mark.parametrize("index", [-1, 2, 1.0, True])
+def test_a_chunk_index_out_of_range_is_refused_by_every_accessor(index):
+    ctl = fk.ChunkFT(nn.Sequential(nn.Linear(3, 3)), fk.SGD(lr=0.1), chunks=2)
+    for accessor in (ctl.chunk_slices, ctl.local_slices, ctl.chunk_state, ctl.slice_steps, ctl.reduced_bytes):
+        with pytest.raises(ValueError, match=r"chunk index must be in \[0, 2\)"):
+            accessor(index)
 
 
 def test_descent_check_fails_a_step_too_long():

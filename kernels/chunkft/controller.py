@@ -181,6 +181,7 @@ class ChunkFT(torch.optim.Optimizer):
         self._states = ChunkStates(prefetch)
         self._phase = None
         self._forwarded = set()
+        self._removed = False
         if process_group is not None:  # before the model is touched: a refusal leaves it as it was
             # The initial learning rate too: ranks stepping at other rates would drift apart.
             data_parallel.check_same_on_every_rank(self._describe() | {"lr": rule.lr}, process_group)
@@ -263,6 +264,7 @@ class ChunkFT(torch.optim.Optimizer):
 
     def chunk_state(self, index: int) -> dict:
         """{parameter name: state dict} of chunk ``index`` (empty before its first visit)."""
+        self._check_index(index)
         states = self._states.readable()
         return {name: states[(name, index)] for name in self._by_name[index] if (name, index) in states}
 
@@ -291,6 +293,9 @@ class ChunkFT(torch.optim.Optimizer):
         if closure is None:
             raise TypeError("ChunkFT.step needs a closure that runs the forward and returns the loss: the "
                             "active chunk is stepped inside the backward")
+        if self._removed:
+            raise RuntimeError("ChunkFT.step after remove(): the model runs its own forwards again, so no "
+                               "backward would step a chunk; build a new ChunkFT to train with it")
         self.rule.lr = self.param_groups[0]["lr"]
         chunk = self.active_chunk
         self._activate(chunk)
@@ -489,12 +494,14 @@ class ChunkFT(torch.optim.Optimizer):
         return name, int(chunk)
 
     def remove(self) -> None:
-        """Give the model back its own forwards and drop ChunkFT's gradient hooks."""
+        """Give the model back its own forwards and drop ChunkFT's gradient hooks; ``step`` is then
+        refused."""
         for module in self._module_params:
             module.__dict__.pop("forward", None)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._removed = True
 
 
 def _check_arguments(model, rule, switch_every, split, order, state_store, rounding, config, prefetch):
