@@ -31,6 +31,12 @@ MARKERS = (
 WARNING_FILTERS = (
     "error",
     "ignore::DeprecationWarning:triton.*",
+    # A third-party module compiled from source (no bytecode cache: pip's --no-compile, or
+    # PYTHONDONTWRITEBYTECODE) warns of its own invalid string escapes, DeprecationWarning
+    # on Python 3.11 and SyntaxWarning from 3.12; as errors they made importing it
+    # (torchao, through transformers) fail depending on whether a .pyc already existed
+    "ignore:invalid escape sequence:DeprecationWarning",
+    "ignore:invalid escape sequence:SyntaxWarning",
     # torch's autograd thread issues its first cuBLAS call on GPU before a context is current; benign
     "ignore:Attempting to run cuBLAS, but there was no current CUDA context:UserWarning",
 )
