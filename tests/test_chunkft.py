@@ -244,6 +244,9 @@ def test_lr_scheduler_drives_the_rule_per_optimizer_step():
 
 
 def test_host_state_store_gives_the_device_stores_bits(device):
+    """The offload is a copy in the state's own dtype, bitwise. On the CPU the host store
+    makes the same fresh copy it makes from a GPU (synchronously), so a lossy offload
+    (the anchor's bf16) fails here on either tier."""
     problem = ChunkProblem(vocab=6, width=5, hidden=7, batch=1, length=3, seed=2)
     runs = []
     for store in ("device", "host"):

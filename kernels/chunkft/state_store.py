@@ -6,8 +6,9 @@ format, fp32 staying fp32: the round trip is a copy, bitwise (the anchor offload
 moments as bf16, a lossy round). With ``prefetch``, the next chunk's state is copied
 to the device as soon as a step ends, so that the copy overlaps the next forward: on
 CUDA on a side stream, non-blocking from pinned memory, the compute stream waiting on
-it only when the backward first reads the state; on the CPU the same code makes the
-same fresh copies synchronously (tests/test_chunkft_parallel.py compares the bits).
+it only when the backward first reads the state. On the CPU the same code makes the
+same fresh copies, offload and prefetch, synchronously (tests/test_chunkft.py and
+tests/test_chunkft_parallel.py compare the bits with the device store's).
 """
 
 import torch
@@ -18,10 +19,11 @@ def _cuda(tensors):
 
 
 def _to_host(tensor):
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+    """A fresh host copy in the tensor's own dtype: into pinned memory, non-blocking, from
+    CUDA; synchronous from the CPU, where the state already is, so that the CPU tier runs
+    the copy a GPU runs (tests/test_chunkft.py would miss a lossy one otherwise)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+    return host.copy_(tensor, non_blocking=tensor.is_cuda)
 
 
 class ChunkStates:
