@@ -5,8 +5,11 @@ bitwise.
 
 The norms recompute dX under the forward's autocast state. On the CPU that cannot be
 told apart from recomputing without it (CPU autocast casts neither layer_norm nor
-rms_norm), so these tests do not catch its absence; on CUDA, where layer_norm runs in
-fp32 under autocast, it is what keeps dX autocast's (not yet run there)."""
+rms_norm), so these tests do not catch its absence there; on CUDA, where layer_norm runs
+in fp32 under autocast, it is what keeps dX autocast's. The default tier of this file,
+``test_forward_and_input_gradient_are_autocasts`` included, passed compiled on the H200
+at commit 8fbbc2d (benchmarks/results/h200-tests-8fbbc2d.log); the recompute's absence
+was not planted there, so that this test catches it on CUDA is argued, not shown."""
 
 import pytest
 import torch
