@@ -155,6 +155,12 @@ class ChunkFT(torch.optim.Optimizer):
     The learning rate is ``param_groups[0]["lr"]`` (initially ``rule.lr``), copied into
     ``rule.lr`` at every step, so a torch LR scheduler built on this object and stepped
     once per ``step()`` drives it per optimizer step.
+
+    Not supported: gradient clipping (no ``.grad`` is ever filled, so
+    ``torch.nn.utils.clip_grad_norm_`` finds no gradient, returns 0 and clips nothing;
+    each slice is stepped inside the backward, before any norm over the model could be
+    known) and gradient accumulation over micro-batches (every ``step()`` steps the
+    active chunk on its own closure's batch; a backward outside ``step()`` is refused).
     """
 
     def __init__(self, model, rule, chunks, switch_every=1, split="rows", order="cyclic", state_store="device",
