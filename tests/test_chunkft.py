@@ -499,3 +499,17 @@ def test_slice_step_counts_resume_from_a_checkpoint_and_older_checkpoints_are_re
     del saved["steps"]
     with pytest.raises(ValueError, match=r"without per-slice step counts \('steps'\)"):
         ctl.load_state_dict(saved)
+
+
+def test_clipping_finds_no_gradient_and_accumulating_micro_batches_is_refused():
+    """What README's ChunkFT section says of the two unsupported practices: after a step no
+    parameter has a .grad, so clip_grad_norm_ returns 0 and clips nothing; a micro-batch's
+    backward outside step() (how accumulation starts) is refused by name."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
+    x = torch.randn(3, 4)
+    ctl.step(lambda: model(x).square().sum())
+    assert all(p.grad is None for p in model.parameters())
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+    with pytest.raises(RuntimeError, match="outside ChunkFT.step"):
+        model(x).square().sum().backward()
