@@ -393,7 +393,7 @@ class _MicroBatchSteps:
         """After an error: the layers holding part of this step's sum whose weight did not
         step, stopped as a failed update stops a layer (restore, or accept the partial
         step); their outcomes read first (a failed one is not raised again)."""
-        for layer in self.steps_before:
+        for layer in self.called:
             try:
                 self._check_previous(layer)
             except FloatingPointError:
@@ -626,6 +626,8 @@ class Trainer:
         """Say in ``error`` which fused layers stepped in this step before it: their steps
         stay taken (their deferred outcomes read first), the torch optimizer's is not."""
         for layer in self.layers:
+            if layer.forge_owner is not None:
+                continue  # a CapturedStep's (refused in _run): it took no step here
             try:
                 layer.forge_check()
             except FloatingPointError:
@@ -700,7 +702,6 @@ class Trainer:
         rewind = rng_rewinder()
         norms = {}
         inputs = _InputCheck()
-
         norm_pass = []  # each micro-batch's (loss, fused layers in its forward)
 
         def measure(layer, x2d, dy2d):
