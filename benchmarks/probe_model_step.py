@@ -28,7 +28,7 @@ from bench_update import CONFIGS_FILE  # noqa: E402
 # FORGE's kernels, by their exact names (Triton names a kernel after its function).
 FORGE_KERNELS = {
     "_fused_weight_update_kernel": "forge fused step", "pingpong_kernel": "forge fused step",
-    "split_kernel": "forge fused step", "_square_sums_kernel": "forge tile norms", "_total_kernel": "forge tile norms",
+    "split_kernel": "forge fused step", "_square_sums_kernel": "forge tile norms", "_norm_kernel": "forge tile norms",
     "_weight_grad_kernel": "forge gradient", "_apply_rule_kernel": "forge rule", "_finite_check_kernel": "forge checks",
 }
 # Everything else, first match wins: a name (lower case) containing the key goes to that kind.

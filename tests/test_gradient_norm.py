@@ -105,6 +105,23 @@ def test_total_keeps_what_fp32_would_lose(count, device):
     assert abs(float(launch_norm(sums)) - exact) <= exact * 2.0**-23
 
 
+@pytest.mark.exactness
+@pytest.mark.parametrize("total_hex", ["0x1.fe928f4ca1f87p+1", "0x1.04425567ebb8fp+0"])
+def test_root_is_correctly_rounded(total_hex, device):
+    """The float64 root is correctly rounded on every backend, so the fp32 norm is too:
+    each total here (split into three fp32 tile sums whose float64 sum is exact in any
+    order) has a root within a float64 ulp of an fp32 rounding boundary, where torch
+    2.13.0+cpu's float64 ``sqrt`` (one ulp off for these) gives the neighbouring fp32
+    value."""
+    total = float.fromhex(total_hex)
+    high = float(np.float32(total))
+    middle = float(np.float32(total - high))
+    low = total - high - middle
+    assert float(np.float32(low)) == low and high + middle + low == total
+    sums = torch.tensor([high, middle, low], dtype=torch.float32, device=device)
+    assert_bitwise_equal(launch_norm(sums), torch.tensor(math.sqrt(total), dtype=torch.float32), "norm")
+
+
 def test_norm_of_no_tokens_is_zero_and_of_a_non_finite_input_is_not_finite(device):
     x, dy = _inputs(0, 40, 24, torch.bfloat16, device)
     assert float(fk.weight_gradient_norm(x, dy)) == 0.0

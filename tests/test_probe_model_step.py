@@ -27,7 +27,7 @@ def test_no_activity_gives_nothing():
     ("split_kernel", "forge fused step"),
     ("_fused_weight_update_kernel", "forge fused step"),
     ("_finite_check_kernel", "forge checks"),
-    ("_total_kernel", "forge tile norms"),
+    ("_norm_kernel", "forge tile norms"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)"
      "::FusedOptimizerTensorListMetadata<4>, ...>", "torch optimizer"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)"

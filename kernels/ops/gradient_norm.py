@@ -77,10 +77,12 @@ def _square_sums_kernel(x_ptr, dy_ptr, grad_ptr, sums_ptr, T, N, K, stride_xt, s
 
 
 @triton.jit
-def _total_kernel(sums_ptr, total_ptr, count, BLOCK: tl.constexpr):
-    """Σ of ``count`` fp32 values in float64: each block as running sums (its last prefix
+def _norm_kernel(sums_ptr, norm_ptr, count, BLOCK: tl.constexpr):
+    """√Σ of ``count`` fp32 values in float64: each block as running sums (its last prefix
     picked exactly; in index order under the interpreter, a tree when compiled), the
-    blocks' sums added one after another."""
+    blocks' sums added one after another. The root is taken here, where it is correctly
+    rounded on every backend (numpy's under the interpreter, ``sqrt.rn.f64`` compiled);
+    torch's float64 ``sqrt`` on the CPU is not (torch 2.13.0+cpu: √51 one ulp high)."""
     offs = tl.arange(0, BLOCK)
     last = offs == BLOCK - 1
     total = tl.full((), 0.0, tl.float64)
@@ -88,7 +90,7 @@ def _total_kernel(sums_ptr, total_ptr, count, BLOCK: tl.constexpr):
         block = tl.load(sums_ptr + start + offs, mask=start + offs < count, other=0.0).to(tl.float64)
         total += tl.reduce(tl.where(last, tl.associative_scan(block, 0, tl.standard._sum_combine), 0.0), 0,
                            tl.standard._sum_combine)
-    tl.store(total_ptr, total)
+    tl.store(norm_ptr, tl.sqrt(total))
 
 
 def _grid(N, K, config):
@@ -144,11 +146,12 @@ def norm_from_square_sums(sums: torch.Tensor) -> torch.Tensor:
 
 
 def launch_norm(sums: torch.Tensor) -> torch.Tensor:
-    """√(Σ sums), the sum in float64 (``_total_kernel``), returned as a float32 scalar tensor."""
-    total = torch.zeros((), dtype=torch.float64, device=sums.device)
+    """√(Σ sums), the sum and its root in float64 (``_norm_kernel``), returned as a float32
+    scalar tensor."""
+    norm = torch.zeros((), dtype=torch.float64, device=sums.device)
     if sums.numel():
-        _total_kernel[(1,)](sums, total, sums.numel(), BLOCK=_SUM_BLOCK, enable_fp_fusion=False)
-    return total.sqrt().float()
+        _norm_kernel[(1,)](sums, norm, sums.numel(), BLOCK=_SUM_BLOCK, enable_fp_fusion=False)
+    return norm.float()
 
 
 def _config(config) -> TileConfig:
