@@ -1,6 +1,6 @@
 """ChunkFT's schedule: chunk (t // switch_every) mod chunks at step t (a permutation per
-cycle with order="random"), per-chunk step counts, and a checkpoint taken at any step,
-mid-cycle included, resumes bit for bit."""
+cycle with order="random"), each chunk's visits and its slices' step counts, and a
+checkpoint taken at any step, mid-cycle included, resumes bit for bit."""
 
 import pytest
 from hypothesis import given

@@ -220,10 +220,10 @@ def _snapshot(model, ctl):
 
 
 def schedule_and_resume(problem, rule, regime, chunks, switch_every, split, steps, resume_at, order="cyclic"):
-    """Runs ``steps`` steps straight; checks the schedule and per-chunk step counts at every
-    step; then resumes a fresh model and controller from a checkpoint (through
-    ``torch.save``) taken after ``resume_at`` steps and checks that the remaining steps
-    give the same bits, weights and state."""
+    """Runs ``steps`` steps straight; checks the schedule, each chunk's visits and its
+    slices' step counts at every step; then resumes a fresh model and controller from a
+    checkpoint (through ``torch.save``) taken after ``resume_at`` steps and checks that the
+    remaining steps give the same bits, weights and state."""
     batches = problem.batches(steps)
     what = (f"[{rule!r}; chunks={chunks} switch_every={switch_every} {split} {order}; {problem.describe()}; "
             f"{regime.describe()}]")
