@@ -106,7 +106,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import NonFiniteInputError
-from .linear import ForgeLinear
+from .linear import MIXED_STEPS, ForgeLinear
 from .tensor_parallel import is_dtensor
 from .ops.fused_weight_update import apply_rule, fused_weight_update
 from .ops.gradient_norm import norm_from_square_sums
@@ -210,10 +210,10 @@ class CapturedStep:
                                f"are on {sorted(map(str, devices))}")
         for layer in layers:
             layer.forge_check()
-        failed = [layer.forge_name for layer in layers if layer._failed_step is not None]
+        failed = [f"{layer.forge_name!r} ({layer._failed_reason})" for layer in layers if layer._failed_step is not None]
         if failed:
-            raise RuntimeError(f"fused layers {failed} stopped after a non-finite update: restore a checkpoint or "
-                               "accept the partial step before capturing")
+            raise RuntimeError(f"fused layers stopped: {'; '.join(failed)}. Restore a checkpoint or accept the partial "
+                               "step before capturing")
         steps = {layer._counters()[0] for layer in layers}
         if len(steps) > 1:
             raise RuntimeError(f"the fused layers are at different steps {sorted(steps)}: a captured step advances "
@@ -527,7 +527,7 @@ class CapturedStep:
             layer._set_step(step - 1)
             error = errors[layer]
             if error is not None and not isinstance(error, NonFiniteInputError):
-                layer._failed_step = step
+                layer.forge_stop(step, MIXED_STEPS)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         for hook in self._hooks:

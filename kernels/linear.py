@@ -62,6 +62,10 @@ class _PendingUse:
         self.replay = replay
 
 
+# Why a layer whose own update failed is stopped (forge_stop).
+MIXED_STEPS = "a non-finite update left some tiles unstepped: weight and state at mixed steps"
+
+
 class ForgeLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, use):
@@ -221,7 +225,9 @@ class ForgeLinear(nn.Linear):
         # The weight's version counter at the last forward: a checkpointed forward's replay
         # must find the weight unchanged.
         self._forward_version = None
+        # A step that stopped the layer, and why (forge_stop); None while it is healthy.
         self._failed_step = None
+        self._failed_reason = None
         # The unchecked step of report="defer": (UpdateReport, step, advance), or None.
         self._unchecked = None
         # A training driver (forge_kernels.training) may take over what the backward does
@@ -285,11 +291,11 @@ class ForgeLinear(nn.Linear):
         # A checkpoint holds checked steps only: an unchecked one would be counted wrong.
         self.forge_check()
         if self._failed_step is not None:
-            # Its tiles are at two steps and forge_step names neither for all of them; a
-            # checkpoint of it would load as a healthy layer.
+            # forge_step does not name the state it is in; a checkpoint of it would load as
+            # a healthy layer.
             raise RuntimeError(
-                f"fused layer {self.forge_name!r} stopped at step {self._failed_step} with some tiles left "
-                "unstepped: call forge_accept_partial_step() first to checkpoint it as it is, or restore a checkpoint")
+                f"fused layer {self.forge_name!r} stopped at step {self._failed_step} ({self._failed_reason}): call "
+                "forge_accept_partial_step() first to checkpoint it as it is, or restore a checkpoint")
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def __getstate__(self):
@@ -383,7 +389,7 @@ class ForgeLinear(nn.Linear):
         if prefix + "forge_step" in state_dict:
             # The loaded state replaces whatever an unchecked or failed step left behind.
             self._unchecked = None
-            self._failed_step = None
+            self._failed_step = self._failed_reason = None
         self._counters_read = None
 
     @property
@@ -486,9 +492,8 @@ class ForgeLinear(nn.Linear):
             raise
         if self._failed_step is not None:
             raise RuntimeError(
-                f"fused layer {self.forge_name!r} stopped at step {self._failed_step}: some of its tiles were "
-                "left unstepped after a non-finite update, so its weight and state are at mixed steps. Restore "
-                "a checkpoint, or call forge_accept_partial_step() to go on from here")
+                f"fused layer {self.forge_name!r} stopped at step {self._failed_step} ({self._failed_reason}). "
+                "Restore a checkpoint, or call forge_accept_partial_step() to go on from here")
         step, seed = self._counters()
         step += 1
         # "raise" reads the outcome once, in the call (no pinned copy, no event); "defer"
@@ -524,7 +529,7 @@ class ForgeLinear(nn.Linear):
         """Record what a non-finite outcome of ``step`` means for the layer (failed tiles
         stop it; bad inputs wrote nothing) and name the layer and step in the error."""
         if isinstance(error, NonFiniteUpdateError):
-            self._failed_step = step
+            self.forge_stop(step, MIXED_STEPS)
         _reword(error, f"fused layer {self.forge_name!r}, step {step}: ", "")
 
     def forge_check(self):
@@ -548,13 +553,22 @@ class ForgeLinear(nn.Linear):
         if advance:
             self._set_step(step)
 
+    def forge_stop(self, step, reason):
+        """Stop the layer at ``step``, which left its weight or state part-way (``reason``
+        says how): it refuses to step or be checkpointed until a checkpoint is restored or
+        ``forge_accept_partial_step()`` is called. Its own failed updates stop it so
+        (``MIXED_STEPS``); a training driver stops a layer for what its step left behind."""
+        self._failed_step = step
+        self._failed_reason = reason
+
     def forge_accept_partial_step(self):
-        """Go on after a NonFiniteUpdateError: the step that partly failed counts as taken
-        (the tiles that stepped are at it; the skipped tiles keep their previous values)."""
+        """Go on from where the step that stopped the layer left it, counting that step as
+        taken (after a NonFiniteUpdateError: the tiles that stepped are at it, the skipped
+        tiles keep their previous values)."""
         if self._failed_step is None:
             raise RuntimeError(f"fused layer {self.forge_name!r} has no failed step to accept")
         self._set_step(self._failed_step)
-        self._failed_step = None
+        self._failed_step = self._failed_reason = None
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rule={self.rule!r}, oracle={self.oracle}"

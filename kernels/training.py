@@ -342,6 +342,11 @@ def _unit_gradient(layer):
     return x2d, -torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
 
 
+# Why the Trainer stops a layer after an accumulated step that failed part-way (forge_stop).
+PARTIAL_SUM = ("an accumulated step that failed part-way left a partial sum of its micro-batches in the momentum "
+               "buffer, the weight not stepped")
+
+
 class _MicroBatchSteps:
     """The phases of one accumulated SGD-momentum step (``SGDMicroBatch``), chosen by each
     layer's own calls, as autograd sums only the micro-batches that reach a layer: its
@@ -401,7 +406,7 @@ class _MicroBatchSteps:
         partial = [layer for layer, step in self.steps_before.items()
                    if layer in self.holding and layer._counters()[0] == step]
         for layer in partial:
-            layer._failed_step = self.steps_before[layer] + 1
+            layer.forge_stop(self.steps_before[layer] + 1, PARTIAL_SUM)
         return partial
 
 
@@ -530,7 +535,6 @@ class Trainer:
                             "step")
         self._sync_hyperparameters()  # a scheduler may set them when it is built (OneCycleLR's momentum)
         self.last_norm = None
-        self._partial_sums = {}  # layer -> the accumulated step it stopped in, part-way
 
     def _with_fused_groups(self, optimizer):
         check_unfused_optimizer(self.model, optimizer)
@@ -611,11 +615,7 @@ class Trainer:
     def _refuse_stopped_layers(self):
         """A fused layer stopped by a failed step would raise in its own backward, after
         the layers before it in the backward had stepped: refuse the step before anything runs."""
-        self._partial_sums = {layer: step for layer, step in self._partial_sums.items() if layer._failed_step == step}
-        stopped = [f"{layer.forge_name!r} at step {layer._failed_step} ("
-                   + ("an accumulated step that failed part-way left a partial sum of its micro-batches in the "
-                      "momentum buffer, the weight not stepped" if layer in self._partial_sums else
-                      "a non-finite update left some tiles unstepped: weight and state at mixed steps") + ")"
+        stopped = [f"{layer.forge_name!r} at step {layer._failed_step} ({layer._failed_reason})"
                    for layer in self.layers if layer._failed_step is not None]
         if stopped:
             raise RuntimeError(f"fused layers stopped: {'; '.join(stopped)}. Restore a checkpoint "
@@ -678,7 +678,6 @@ class Trainer:
         except BaseException as error:
             partial = steps.stop_partial()
             if partial:
-                self._partial_sums.update((layer, layer._failed_step) for layer in partial)
                 _tell(error, f". The accumulated step stopped part-way: the momentum buffers of fused layers "
                              f"{[layer.forge_name for layer in partial]} hold a partial sum of its micro-batches and "
                              "their weights did not step; those layers are stopped: restore a checkpoint, or call "

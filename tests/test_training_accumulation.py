@@ -164,6 +164,10 @@ def test_a_failure_in_a_later_micro_batch_stops_the_layers_holding_a_partial_sum
         trainer.step(_branch_closures(model, device, 2))
     for name, layer in (("a", model.a), ("b", model.b)):
         assert_bitwise_equal(layer.weight.detach(), weights[name], name)
+    # The layer itself tells the same reason (it was told, by forge_stop), not a tile's.
+    with pytest.raises(RuntimeError, match=r"fused layer 'b' stopped at step 2 \(an accumulated step that failed "
+                                           r"part-way left a partial sum"):
+        model.state_dict()
 
     trainer.load_state_dict(checkpoint)
     twin, twin_trainer = _branches(device)
