@@ -3,7 +3,8 @@ of ĝ over every joint sign pattern of every example, each run through the optim
 own hooks and update formula, is U ⊙ U ⊙ ḡ, and its mean square is the closed form of
 proofs/zeroth_order.md ("Second moment given U"). Averaged over U ~ N(0, I) by
 Gauss–Hermite quadrature (exact for these degree-4 polynomials) the closed form gives
-the variance law. On quadratic losses the estimate does not depend on σ.
+the variance law; MeZO's law is the same quadrature of its ‖ĝ‖² over z. On quadratic
+losses the estimate does not depend on σ.
 
 Tolerances are float64 rounding only (the enumerated means are exact in real arithmetic):
 TOLERANCE relative to the scale ‖U‖²·max‖g_i‖ (and its square for second moments),
@@ -20,7 +21,7 @@ from forge_kernels.zeroth_order.draws import CallDraws
 from forge_verify.checks.observations import RADIUS, observe
 from forge_verify.checks.zeroth_order import (enumeration_errors, flatten, gaussian_expectation,
                                               grzo_conditional_second_moment, grzo_trace_variance,
-                                              quadratic_problem)
+                                              mezo_squared_norm, mezo_trace_variance, quadratic_problem)
 from forge_verify.numerics.tolerances import gamma
 
 TOLERANCE = 1e-10
@@ -55,6 +56,24 @@ def test_variance_law_is_the_gaussian_mean_of_the_second_moment(batch, identical
     second = gaussian_expectation(lambda u: grzo_conditional_second_moment(u, grads), grads.shape[1])
     law = grzo_trace_variance(grads)
     got = second - float((grads.mean(0) ** 2).sum())
+    assert abs(got - law) <= TOLERANCE * law
+    observe(abs(got - law) / (TOLERANCE * law), RADIUS)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("identical", [True, False], ids=["identical", "heterogeneous"])
+def test_mezo_variance_law_is_the_gaussian_mean_of_its_squared_norm(batch, identical):
+    """E_z ‖ĝ‖² - ‖ḡ‖² = (d + 1)‖ḡ‖², d = 6, by 3-node Gauss–Hermite quadrature over z:
+    ‖ĝ‖² = ⟨ḡ, z⟩² ‖z‖² has degree 4 in each coordinate, so the quadrature is exact, and
+    ĝ is formed as MeZO forms it, (L(θ + z) - L(θ - z))/2 · z from the problem's own mean
+    loss (ε = 1, exact on the quadratic). A wrong law ((d + 2)‖ḡ‖², d‖ḡ‖²) is off by
+    ‖ḡ‖², some 1/7 of it, far outside the float64 rounding allowed."""
+    problem = quadratic_problem(2, 2, batch, identical=identical, seed=batch)
+    mean_grad = problem.per_example_gradients().mean(0)
+    second = gaussian_expectation(lambda z: mezo_squared_norm(problem, z), mean_grad.numel())
+    law = mezo_trace_variance(mean_grad)
+    got = second - float((mean_grad ** 2).sum())
     assert abs(got - law) <= TOLERANCE * law
     observe(abs(got - law) / (TOLERANCE * law), RADIUS)
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import forge_kernels as fk
-from forge_kernels.zeroth_order.draws import BASE, COL, ROW, philox4x32, stream_key
+from forge_kernels.ops.stochastic_round import _splitmix64, _splitmix64_array
+from forge_kernels.zeroth_order.draws import BASE, COL, ROW, name_hash, philox4x32
 
 
 @dataclass
@@ -102,6 +103,31 @@ def grzo_conditional_second_moment(base: torch.Tensor, grads: torch.Tensor) -> f
     return float((diagonal + cross) / batch**2)
 
 
+def mezo_squared_norm_variance(mean_grad: torch.Tensor) -> float:
+    """Var ‖ĝ‖² of MeZO's estimate, exactly: E‖ĝ‖⁴ - (E‖ĝ‖²)² = (K_d - (d + 2)²)‖ḡ‖⁴
+    = (2d² + 26d + 68)‖ḡ‖⁴ (proofs/zeroth_order.md, "Monte Carlo radii")."""
+    d = mean_grad.numel()
+    return float((2 * d * d + 26 * d + 68) * (mean_grad ** 2).sum() ** 2)
+
+
+def mezo_squared_norm(problem: QuadraticProblem, z: torch.Tensor) -> float:
+    """‖ĝ‖² of MeZO's estimate along the direction z (flattened in parameter order):
+    ĝ = (L(θ + z) - L(θ - z))/2 · z, the mean loss's central difference at ε = 1 (exact
+    on the quadratic), evaluated by the problem's own forward."""
+    params = dict(problem.model.named_parameters())
+    shifted, start = {}, 0
+    for name, p in params.items():
+        shifted[name] = z[start:start + p.numel()].reshape(p.shape)
+        start += p.numel()
+
+    def loss(sign):
+        moved = {name: p.detach() + sign * shifted[name] for name, p in params.items()}
+        out = torch.func.functional_call(problem.model, moved, (problem.inputs,))
+        return 0.5 * ((out - problem.targets) ** 2).sum(-1).mean()
+    projected = float(loss(1) - loss(-1)) / 2
+    return projected ** 2 * float(z @ z)
+
+
 def fourth_moment_factor(d: int) -> int:
     """K_d with E[⟨g, z⟩⁴ ‖z‖⁴] = K_d ‖g‖⁴ for z ~ N(0, I_d): 3d² + 30d + 72. Bounds
     E‖ĝ‖⁴ by K_d ‖ḡ‖⁴ (MeZO, equality) and K_d mean‖g_i‖⁴ (GRZO, proofs/zeroth_order.md)."""
@@ -118,6 +144,40 @@ def gaussian_expectation(function, d: int, nodes: int = 3) -> float:
         u = torch.tensor([points[i] for i in index], dtype=torch.float64)
         total += float(np.prod([weights[i] for i in index])) * function(u)
     return total
+
+
+# --- median of means ----------------------------------------------------------------
+
+#: the median-of-means radius in standard errors of one group's mean: each group mean
+#: is that far off with probability at most 1/MOM_SPREAD² (Chebyshev)
+MOM_SPREAD = 2.5
+
+
+def median_of_means_groups(false_alarm: float) -> int:
+    """The fewest groups k (odd) whose median of means is more than MOM_SPREAD standard
+    errors of a group's mean off with probability at most ``false_alarm``: that needs
+    (k + 1)/2 groups off, each independently with probability at most p = 1/MOM_SPREAD²,
+    so the chance is at most P(Binomial(k, p) ≥ (k + 1)/2) (exact, scipy;
+    proofs/zeroth_order.md, "Monte Carlo radii"). 15 at 1e-3."""
+    from scipy.stats import binom
+    groups = 1
+    while binom.sf(groups // 2, groups, 1 / MOM_SPREAD**2) > false_alarm:
+        groups += 2
+    return groups
+
+
+def median_of_means(values: torch.Tensor, groups: int) -> float:
+    """The median of the means of ``groups`` consecutive equal groups of ``values`` (the
+    last len(values) mod groups values are left out)."""
+    size = len(values) // groups
+    return float(values[:size * groups].reshape(groups, size).mean(1).median())
+
+
+def median_of_means_radius(variance: float, samples: int, groups: int) -> float:
+    """MOM_SPREAD standard errors of one group's mean, for values of variance at most
+    ``variance``: the median of means is within it of their mean but with probability at
+    most the false alarm ``median_of_means_groups`` was given."""
+    return MOM_SPREAD * (variance / (samples // groups)) ** 0.5
 
 
 # --- injected draws -----------------------------------------------------------------
@@ -167,7 +227,11 @@ def enumerated_estimates(opt, closure, bases: dict, batch: int) -> torch.Tensor:
 # --- many calls at once -------------------------------------------------------------
 
 def _keys(seed, calls, name, kind) -> torch.Tensor:
-    return torch.tensor([stream_key(seed, c, name, kind) for c in calls], dtype=torch.int64)
+    """``stream_key(seed, c, name, kind)`` for every call c, vectorised (numpy's uint64
+    arithmetic wraps as SplitMix64's mask does)."""
+    z = _splitmix64_array(np.uint64(_splitmix64(seed)) ^ np.asarray(calls, dtype=np.uint64))
+    z = _splitmix64_array(z ^ np.uint64(name_hash(name)))
+    return torch.from_numpy((_splitmix64_array(z ^ np.uint64(kind)) >> np.uint64(1)).astype(np.int64))
 
 
 def _normal(keys, counters):
