@@ -6,9 +6,11 @@ Gauss–Hermite quadrature (exact for these degree-4 polynomials) the closed for
 the variance law; MeZO's law is the same quadrature of its ‖ĝ‖² over z. On quadratic
 losses the estimate does not depend on σ.
 
-Tolerances are float64 rounding only (the enumerated means are exact in real arithmetic):
-TOLERANCE relative to the scale ‖U‖²·max‖g_i‖ (and its square for second moments),
-some 10⁴ times the γ-bound of the few dozen operations behind each summand.
+Tolerances are float64 rounding only (the enumerated means and the quadratures are exact
+in real arithmetic), each a bound derived with gamma() from the operations the compared
+numbers take, evaluated at the problem's magnitudes (proofs/zeroth_order.md, "Rounding
+in the exact tests"; ``enumeration_bounds``, ``grzo_law_rounding_bound``,
+``mezo_law_rounding_bound``).
 """
 
 import pytest
@@ -19,12 +21,12 @@ from hypothesis import strategies as st
 import forge_kernels as fk
 from forge_kernels.zeroth_order.draws import CallDraws
 from forge_verify.checks.observations import RADIUS, observe
-from forge_verify.checks.zeroth_order import (enumeration_errors, flatten, gaussian_expectation,
-                                              grzo_conditional_second_moment, grzo_trace_variance,
-                                              mezo_squared_norm, mezo_trace_variance, quadratic_problem)
+from forge_verify.checks.zeroth_order import (enumeration_bounds, enumeration_errors, flatten, gaussian_expectation,
+                                              grzo_conditional_second_moment, grzo_law_rounding_bound,
+                                              grzo_trace_variance, mezo_law_rounding_bound, mezo_squared_norm,
+                                              mezo_trace_variance, quadratic_problem)
 from forge_verify.numerics.tolerances import gamma
 
-TOLERANCE = 1e-10
 #: (d_out, d_in, batch, bias): joint patterns 2**(batch · (d_out + d_in + d_out·bias)) ≤ 4,096
 SHAPES = [(2, 2, 1, True), (2, 2, 2, True), (1, 3, 2, True), (2, 3, 1, False), (1, 2, 3, True), (3, 1, 2, False)]
 
@@ -41,8 +43,9 @@ def test_mean_over_every_sign_pattern_is_u_u_g(shape, identical, seed, scale):
         bases["bias"] = scale * torch.randn(d_out, generator=gen, dtype=torch.float64)
     opt = fk.GRZO(problem.model, lr=0.1, sigma=1.0, normalize="none")
     mean_error, second_error = enumeration_errors(problem, bases, opt)
-    assert mean_error <= TOLERANCE and second_error <= TOLERANCE
-    observe(max(mean_error, second_error) / TOLERANCE, RADIUS)
+    mean_bound, second_bound = enumeration_bounds(problem, bases, opt)
+    assert mean_error <= mean_bound and second_error <= second_bound
+    observe(max(mean_error / mean_bound, second_error / second_bound), RADIUS)
 
 
 @pytest.mark.exactness
@@ -56,8 +59,9 @@ def test_variance_law_is_the_gaussian_mean_of_the_second_moment(batch, identical
     second = gaussian_expectation(lambda u: grzo_conditional_second_moment(u, grads), grads.shape[1])
     law = grzo_trace_variance(grads)
     got = second - float((grads.mean(0) ** 2).sum())
-    assert abs(got - law) <= TOLERANCE * law
-    observe(abs(got - law) / (TOLERANCE * law), RADIUS)
+    bound = grzo_law_rounding_bound(grads)
+    assert abs(got - law) <= bound
+    observe(abs(got - law) / bound, RADIUS)
 
 
 @pytest.mark.exactness
@@ -65,17 +69,17 @@ def test_variance_law_is_the_gaussian_mean_of_the_second_moment(batch, identical
 @pytest.mark.parametrize("identical", [True, False], ids=["identical", "heterogeneous"])
 def test_mezo_variance_law_is_the_gaussian_mean_of_its_squared_norm(batch, identical):
     """E_z ‖ĝ‖² - ‖ḡ‖² = (d + 1)‖ḡ‖², d = 6, by 3-node Gauss–Hermite quadrature over z:
-    ‖ĝ‖² = ⟨ḡ, z⟩² ‖z‖² has degree 4 in each coordinate, so the quadrature is exact, and
-    ĝ is formed as MeZO forms it, (L(θ + z) - L(θ - z))/2 · z from the problem's own mean
-    loss (ε = 1, exact on the quadratic). A wrong law ((d + 2)‖ḡ‖², d‖ḡ‖²) is off by
-    ‖ḡ‖², some 1/7 of it, far outside the float64 rounding allowed."""
+    ‖ĝ‖² = ⟨ḡ, z⟩² ‖z‖² (MeZO's ĝ = ⟨ḡ, z⟩ z, tests/test_zeroth_order.py) has degree 4
+    in each coordinate, so the quadrature is exact. A wrong law ((d + 2)‖ḡ‖², d‖ḡ‖²) is
+    off by ‖ḡ‖², some 1/7 of it, far outside the float64 rounding allowed."""
     problem = quadratic_problem(2, 2, batch, identical=identical, seed=batch)
     mean_grad = problem.per_example_gradients().mean(0)
-    second = gaussian_expectation(lambda z: mezo_squared_norm(problem, z), mean_grad.numel())
+    second = gaussian_expectation(lambda z: mezo_squared_norm(z, mean_grad), mean_grad.numel())
     law = mezo_trace_variance(mean_grad)
     got = second - float((mean_grad ** 2).sum())
-    assert abs(got - law) <= TOLERANCE * law
-    observe(abs(got - law) / (TOLERANCE * law), RADIUS)
+    bound = mezo_law_rounding_bound(mean_grad)
+    assert abs(got - law) <= bound
+    observe(abs(got - law) / bound, RADIUS)
 
 
 @pytest.mark.exactness

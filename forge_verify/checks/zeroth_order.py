@@ -11,6 +11,7 @@ The estimators' exact statistics on quadratic per-example losses ℓ_i, gradient
 """
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,8 @@ from torch import nn
 import forge_kernels as fk
 from forge_kernels.ops.stochastic_round import _splitmix64, _splitmix64_array
 from forge_kernels.zeroth_order.draws import BASE, COL, ROW, name_hash, philox4x32
+
+from ..numerics.tolerances import UNIT_ROUNDOFF, gamma
 
 
 @dataclass
@@ -110,22 +113,10 @@ def mezo_squared_norm_variance(mean_grad: torch.Tensor) -> float:
     return float((2 * d * d + 26 * d + 68) * (mean_grad ** 2).sum() ** 2)
 
 
-def mezo_squared_norm(problem: QuadraticProblem, z: torch.Tensor) -> float:
-    """‖ĝ‖² of MeZO's estimate along the direction z (flattened in parameter order):
-    ĝ = (L(θ + z) - L(θ - z))/2 · z, the mean loss's central difference at ε = 1 (exact
-    on the quadratic), evaluated by the problem's own forward."""
-    params = dict(problem.model.named_parameters())
-    shifted, start = {}, 0
-    for name, p in params.items():
-        shifted[name] = z[start:start + p.numel()].reshape(p.shape)
-        start += p.numel()
-
-    def loss(sign):
-        moved = {name: p.detach() + sign * shifted[name] for name, p in params.items()}
-        out = torch.func.functional_call(problem.model, moved, (problem.inputs,))
-        return 0.5 * ((out - problem.targets) ** 2).sum(-1).mean()
-    projected = float(loss(1) - loss(-1)) / 2
-    return projected ** 2 * float(z @ z)
+def mezo_squared_norm(z: torch.Tensor, mean_grad: torch.Tensor) -> float:
+    """‖ĝ‖² = ⟨ḡ, z⟩² ‖z‖² of MeZO's estimate ĝ = ⟨ḡ, z⟩ z along z (its central
+    difference is ⟨ḡ, z⟩ on a quadratic: tests/test_zeroth_order.py checks the optimizer)."""
+    return float((z @ mean_grad) ** 2 * (z @ z))
 
 
 def fourth_moment_factor(d: int) -> int:
@@ -134,16 +125,125 @@ def fourth_moment_factor(d: int) -> int:
     return 3 * d * d + 30 * d + 72
 
 
-def gaussian_expectation(function, d: int, nodes: int = 3) -> float:
-    """E f(U), U ~ N(0, I_d), by tensor Gauss–Hermite quadrature: exact for polynomials
-    of degree at most 2·nodes - 1 in each coordinate (3 nodes: degree 5)."""
-    points, weights = np.polynomial.hermite_e.hermegauss(nodes)
-    weights = weights / weights.sum()
+#: the 3-node Gauss–Hermite rule for N(0, 1): nodes -√3, 0, √3 with weights 1/6, 2/3,
+#: 1/6, exact for polynomials of degree at most 5 (each rounded once to float64)
+_NODES = (-math.sqrt(3.0), 0.0, math.sqrt(3.0))
+_WEIGHTS = (1 / 6, 2 / 3, 1 / 6)
+
+
+def gaussian_expectation(function, d: int) -> float:
+    """E f(U), U ~ N(0, I_d), by the tensor 3-node Gauss–Hermite rule: exact for
+    polynomials of degree at most 5 in each coordinate (up to the rounding that
+    ``quadrature_rounding_bound`` bounds)."""
     total = 0.0
-    for index in itertools.product(range(nodes), repeat=d):
-        u = torch.tensor([points[i] for i in index], dtype=torch.float64)
-        total += float(np.prod([weights[i] for i in index])) * function(u)
+    for index in itertools.product(range(3), repeat=d):
+        u = torch.tensor([_NODES[i] for i in index], dtype=torch.float64)
+        total += float(np.prod([_WEIGHTS[i] for i in index])) * function(u)
     return total
+
+
+def quadrature_rounding_bound(magnitude, d: int, operations: int, degree: int) -> float:
+    """A bound on |gaussian_expectation(f, d) - E f(U)| for a polynomial f of total
+    degree ``degree`` in U, of degree at most 5 in each coordinate, whose float64
+    evaluation takes at most ``operations`` roundings along any path and is within
+    γ_operations of ``magnitude(u)`` (f with every coefficient and term made
+    non-negative, evaluated at |u|): γ_N Σ_nodes w · magnitude(|u|) with N =
+    operations + degree + 2d + 3^d + 1 (proofs/zeroth_order.md, "Rounding in the exact
+    tests")."""
+    u64 = UNIT_ROUNDOFF[torch.float64]
+    total = gaussian_expectation(lambda u: magnitude(u.abs()), d)
+    n = operations + degree + 2 * d + 3**d + 1
+    return gamma(n, u64) * total * (1 + gamma(3**d + 2 * d + operations, u64))
+
+
+def _u64_gamma(n: int) -> float:
+    return gamma(n, UNIT_ROUNDOFF[torch.float64])
+
+
+def _abs_closed_form(base: torch.Tensor, magnitudes: torch.Tensor) -> float:
+    """``grzo_conditional_second_moment`` with every term non-negative, at the
+    per-example gradient magnitudes ``magnitudes`` (B, d) and |U|: the size of what it
+    sums, (1/B²)(‖U‖² Σ_i Σ_n v_in² U_n² + Σ_m U_m⁴ ((Σ_i v_im)² + Σ_i v_im²))."""
+    batch = magnitudes.shape[0]
+    u2 = base ** 2
+    diagonal = u2.sum() * (magnitudes ** 2 * u2).sum()
+    cross = (u2 ** 2 * (magnitudes.sum(0) ** 2 + (magnitudes ** 2).sum(0))).sum()
+    return float((diagonal + cross) / batch**2)
+
+
+def grzo_law_rounding_bound(grads: torch.Tensor) -> float:
+    """A bound on |got - law| in test_variance_law_is_the_gaussian_mean_of_the_second_moment
+    (got: the quadrature of ``grzo_conditional_second_moment`` less ‖ḡ‖², law:
+    ``grzo_trace_variance``, both from the same float64 ``grads``): the quadrature's
+    rounding (its closed form takes at most Bd + B + 2d + 10 roundings along a path, and
+    is of degree 4 in U), plus γ_{2B+2d+6} of every term of ‖ḡ‖² and of the law
+    (proofs/zeroth_order.md, "Rounding in the exact tests")."""
+    batch, d = grads.shape
+    magnitudes = grads.abs()
+    quadrature = quadrature_rounding_bound(lambda u: _abs_closed_form(u, magnitudes), d,
+                                           batch * d + batch + 2 * d + 10, 4)
+    mean_sizes = float((magnitudes.mean(0) ** 2).sum())
+    law_size = (d - 1) / batch * float((grads ** 2).sum(1).mean()) + 2 * mean_sizes
+    return quadrature + _u64_gamma(2 * batch + 2 * d + 6) * (law_size + mean_sizes) * (1 + _u64_gamma(2 * d))
+
+
+def mezo_law_rounding_bound(mean_grad: torch.Tensor) -> float:
+    """The same for MeZO's test: ``mezo_squared_norm`` takes d + 2 roundings along a
+    path (two dot products, a square, a product), degree 4 in z; the law (d + 1)‖ḡ‖²
+    and ‖ḡ‖² within γ_{d+3} of themselves."""
+    d = mean_grad.numel()
+    magnitudes = mean_grad.abs()
+    quadrature = quadrature_rounding_bound(lambda z: float((z @ magnitudes) ** 2 * (z @ z)), d, d + 2, 4)
+    return quadrature + _u64_gamma(d + 3) * (d + 2) * float((mean_grad ** 2).sum()) * (1 + _u64_gamma(d))
+
+
+def enumeration_bounds(problem: QuadraticProblem, bases: dict, opt) -> tuple:
+    """Bounds on ``enumeration_errors``' two numbers (in its units) when the optimizer is
+    right: the float64 rounding of its forwards, coefficients, update and of the
+    reference, each step's γ_n from the operations it takes (proofs/zeroth_order.md,
+    "Rounding in the exact tests"), evaluated at this problem's magnitudes.
+
+    Ẽ_i = ½ Σ_j E_ij² with E_ij = (|W| |x_i|)_j + |b_j| + σ ((|U| |x_i|)_j + |u_j|) + |y_ij|
+    bounds example i's losses at ±σ and their rounding scale; a loss is within
+    γ_{2(d_in+4)+d_out} Ẽ_i of the exact one, δ_i within γ_{2(d_in+4)+d_out+2} Ẽ_i/σ, an
+    estimate's coordinate within max|U| max Ẽ / σ · γ_{2(d_in+4)+d_out+B+3} =: e1 of its
+    exact value (|ĝ| ≤ max|U| max Ẽ / σ =: G1), the mean over the P sign patterns adds
+    γ_P (G1 + e1), and the reference U ⊙ U ⊙ ḡ (from the float64 gradients, each within
+    η = γ_{d_in+3} E |x| of the exact) max|U|² γ_{d_in+B+6} max E max(|x|, 1). The mean
+    square: per pattern d G1² γ_{2(...)+d}, with γ_P, plus the closed form's change
+    over η and its own rounding."""
+    model, x, y = problem.model, problem.inputs, problem.targets
+    batch, d_in = x.shape
+    d_out = model.weight.shape[0]
+    sigma = opt.sigma
+    with torch.no_grad():
+        bias = model.bias.abs() if model.bias is not None else torch.zeros(d_out, dtype=torch.float64)
+        base_bias = bases["bias"].abs() if "bias" in bases else torch.zeros(d_out, dtype=torch.float64)
+        spread = x.abs() @ model.weight.abs().T + bias + sigma * (x.abs() @ bases["weight"].abs().T + base_bias) \
+            + y.abs()
+        loss_size = float(0.5 * (spread ** 2).sum(1).max())
+        u = torch.cat([bases["weight"].reshape(-1)] + ([bases["bias"]] if "bias" in bases else []))
+        grads = problem.per_example_gradients()
+        parts = [(spread[:, :, None] * x.abs()[:, None, :]).reshape(batch, -1)]
+        if model.bias is not None:
+            parts.append(spread)
+        eta = _u64_gamma(d_in + 3) * torch.cat(parts, dim=1)
+    d = u.numel()
+    patterns = 2 ** (batch * sum(size for _, _, size in sign_slots(opt)))
+    n_loss = 2 * (d_in + 4) + d_out
+    u_max = float(u.abs().max())
+    size = u_max * loss_size / sigma
+    e1 = size * _u64_gamma(n_loss + batch + 3)
+    reference = u_max ** 2 * _u64_gamma(d_in + batch + 6) * float(spread.max()) * max(float(x.abs().max()), 1.0)
+    mean_bound = e1 + _u64_gamma(patterns) * (size + e1) + reference
+    magnitudes = grads.abs()
+    upper = _abs_closed_form(u, magnitudes + 2 * eta)
+    change = upper - _abs_closed_form(u, (magnitudes - eta).clamp_min(0))
+    second_bound = d * size ** 2 * _u64_gamma(2 * (n_loss + batch + 3) + d + patterns) + change \
+        + 2 * _u64_gamma(batch * d + batch + 2 * d + 10) * upper
+    scale = float((u ** 2).sum() * grads.norm(dim=1).max())
+    margin = 1 + 2 * _u64_gamma(batch * d + 64)  # the bounds' own float64 evaluation
+    return mean_bound / scale * margin, second_bound / scale ** 2 * margin
 
 
 # --- median of means ----------------------------------------------------------------
@@ -308,8 +408,8 @@ def parity_signs(batch: int, size: int, seed: int) -> torch.Tensor:
 
 def enumeration_errors(problem: QuadraticProblem, bases: dict, opt) -> tuple:
     """(|mean ĝ - U ⊙ U ⊙ ḡ|_max / s, |mean ‖ĝ‖² - closed form| / s²) over every joint sign
-    pattern, s = ‖U‖² max‖g_i‖: both are float64 rounding, far below 1e-10, when the
-    optimizer is right (``opt`` built on ``problem.model`` with normalize="none")."""
+    pattern, s = ‖U‖² max‖g_i‖: both are float64 rounding, within ``enumeration_bounds``,
+    when the optimizer is right (``opt`` built on ``problem.model`` with normalize="none")."""
     batch = problem.inputs.shape[0]
     estimates = enumerated_estimates(opt, problem.closure(), bases, batch)
     parts = [bases["weight"].reshape(-1)] + ([bases["bias"]] if problem.model.bias is not None else [])
