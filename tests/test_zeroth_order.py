@@ -419,6 +419,16 @@ def test_a_bad_lr_set_in_the_group_is_refused_before_anything_is_written(method)
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
 
+@pytest.mark.parametrize("method", ["GRZO", "MeZO"])
+def test_a_copied_optimizer_is_still_the_optimizer(method):
+    """torch.optim.Optimizer pickles only defaults, state and param_groups; ours keep
+    their targets, seed and counter too."""
+    import copy
+    opt = _optimizer_of(method, nn.Linear(3, 2))
+    opt.call = 4
+    assert copy.deepcopy(opt).state_dict() == opt.state_dict()
+
+
 # --- bad input: nothing written -------------------------------------------------------
 
 def _snapshot(model):

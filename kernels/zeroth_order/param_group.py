@@ -45,6 +45,11 @@ class OneGroupOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         group.update(self._checked(group, "param_groups[0]: "))
 
+    def __getstate__(self) -> dict:
+        # every attribute (targets, seed, counter, ...), not only torch's defaults, state
+        # and param_groups: a copy must still be this optimizer
+        return dict(self.__dict__)
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "param_groups", None):
             raise ValueError(f"{self.method} has one parameter group (every trainable parameter, perturbed "
