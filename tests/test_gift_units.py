@@ -206,12 +206,12 @@ def test_overlap_is_refused_where_the_thread_does_not_work(monkeypatch):
 
 
 @pytest.mark.parametrize("changed", [{"fmt": "nvfp4"}, {"scaling": "power_of_two"}, {"rank": 8}, {"damping": 1.0},
-                                     {"error_feedback": False}, {"transform": "identity"}])
+                                     {"error_feedback": False}, {"transform": "identity"}, {"unselected": "fp32"}])
 def test_a_state_loads_only_into_the_configuration_it_was_saved_with(changed):
     """Residuals made by one format, factors of one rank, damping and transform mean nothing
-    to another state: loading them was accepted silently (a state without error feedback
-    even kept the residuals unsent). The exchange may differ (the shard residuals fold in);
-    a state saved before the configuration was kept loads as it did."""
+    to another state: loading them was accepted silently (a state without error feedback,
+    or with unselected="fp32", even kept the plain route's residuals unsent). The exchange
+    may differ (the shard residuals fold in)."""
     layer = nn.Linear(16, 8, bias=False)
     arguments = {"fmt": "e4m3", "rank": 4, "damping": 1e-3}
     saved = fk.gift.GiftState(None, layers=[layer], **arguments).state_dict([layer.weight])
@@ -219,8 +219,52 @@ def test_a_state_loads_only_into_the_configuration_it_was_saved_with(changed):
     with pytest.raises(ValueError, match=f"saved with {next(iter(changed))} "):
         other.load_state_dict(saved, [layer.weight])
     fk.gift.GiftState(None, layers=[layer], exchange="all_gather", **arguments).load_state_dict(saved, [layer.weight])
-    del saved["config"]
-    other.load_state_dict(saved, [layer.weight])
+
+
+def test_a_selection_state_loads_only_into_the_same_selection():
+    """A selection's counts mean something only for its count, warm-up and counted format
+    (a state past another warm-up never freezes), and a state without a selection has
+    none to load them into: refused, naming the selection."""
+    layers = [nn.Linear(8, 4) for _ in range(3)]
+    saved = fk.gift.GiftState(None, "e4m3", layers=fk.gift.RangeHitSelection(layers, 1, 10)).state_dict(
+        [layer.weight for layer in layers])
+    for other in (fk.gift.RangeHitSelection(layers, 1, 5), fk.gift.RangeHitSelection(layers, 2, 10),
+                  fk.gift.RangeHitSelection(layers, 1, 10, fmt="e5m2"), ()):
+        with pytest.raises(ValueError, match="saved with selection "):
+            fk.gift.GiftState(None, "e4m3", layers=other).load_state_dict(saved, [layer.weight for layer in layers])
+    fk.gift.GiftState(None, "e4m3", layers=fk.gift.RangeHitSelection(layers, 1, 10)).load_state_dict(
+        saved, [layer.weight for layer in layers])
+
+
+def test_a_state_saved_without_its_configuration_is_refused_until_vouched_for():
+    """A state saved before the configuration was kept cannot be checked: an E4M3 state with
+    error feedback loaded into an NVFP4 one without, keeping residuals it never sends. It
+    is refused, the state left as it was, with the line that vouches for it (as the fused
+    layers refuse a checkpoint without its rule's record); once vouched for, it loads."""
+    weight = nn.Parameter(torch.zeros(64))
+    legacy = fk.gift.GiftState(None, "e4m3", layers=()).state_dict([weight])
+    del legacy["config"]
+    legacy["residuals"] = {0: torch.full((64,), 1e-3)}
+    target = fk.gift.GiftState(None, "nvfp4", layers=(), error_feedback=False)
+    with pytest.raises(ValueError, match=r"records no configuration.*saved\['config'\] = state\.configuration\(\)"):
+        target.load_state_dict(legacy, [weight])
+    assert target.residuals == {}
+    legacy["config"] = target.configuration()
+    target.load_state_dict(legacy, [weight])
+    assert set(target.residuals) == {id(weight)}
+
+
+def test_a_bucket_reducer_saved_without_its_configuration_is_refused_until_vouched_for():
+    legacy = fk.gift.GiftSplitReducer("e4m3", None).state_dict()
+    del legacy["config"]
+    legacy["residuals"] = {(0, 64): torch.full((64,), 1e-3)}
+    target = fk.gift.GiftSplitReducer("nvfp4", None, error_feedback=False)
+    with pytest.raises(ValueError, match=r"records no configuration.*saved\['config'\] = reducer\.state\.configuration"):
+        target.load_state_dict(legacy)
+    assert target.state.residuals == {}
+    legacy["config"] = target.state.configuration()
+    target.load_state_dict(legacy)
+    assert set(target.state.residuals) == {(0, 64)}
 
 
 def test_a_bucket_reducer_loads_only_into_the_configuration_it_was_saved_with():

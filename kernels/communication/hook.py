@@ -451,20 +451,38 @@ class GiftState:
     def configuration(self) -> dict:
         """The arguments that give a saved state its meaning (``state_dict`` keeps them and
         ``load_state_dict`` refuses another): the format and scaling its residuals were
-        made by, the transform, rank and damping of its factors, and whether it feeds back.
-        The exchange is left out: a state moves between the two (shard residuals fold in)."""
+        made by, the transform, rank and damping of its factors, whether it feeds back, the
+        unselected route (under "fp32" the plain route's residuals would be kept unsent),
+        and the selection its counts belong to (its count, warm-up and counted format; a
+        state past another warm-up would never freeze). The exchange and ``refresh_every``
+        are left out: a state moves between the exchanges (shard residuals fold in), and
+        goes on at another refresh interval from the steps its layers joined."""
+        selection = None if self.selection is None else {
+            "count": self.selection.count, "warmup_steps": self.selection.warmup_steps, "fmt": self.selection.fmt}
         return {"fmt": self.fmt, "scaling": self.scaling, "transform": self.transform, "rank": self.rank,
-                "damping": self.damping, "error_feedback": self.error_feedback}
+                "damping": self.damping, "error_feedback": self.error_feedback, "unselected": self.unselected,
+                "selection": selection}
 
-    def check_configuration(self, saved) -> None:
-        """Refuse a state saved under another ``configuration()`` (None: saved before the
-        configuration was kept, accepted as it was)."""
+    def check_configuration(self, saved, holder: str = "state") -> None:
+        """Refuse a state saved under another ``configuration()``, or one that records none
+        of it or not all of it (saved before it was kept), which cannot be checked: that
+        error gives the line that vouches for it, naming this state ``holder``, as the
+        fused layers' refusal of a checkpoint without its rule's record does."""
         mine = self.configuration()
-        if saved is not None and saved != mine:
-            differ = ", ".join(f"{key} {saved.get(key)!r} (this state: {mine[key]!r})"
-                               for key in mine if saved.get(key) != mine[key])
+        unrecorded = list(mine) if saved is None else [key for key in mine if key not in saved]
+        if unrecorded:
+            what, kept = (("no configuration", "the configuration was") if saved is None
+                          else (f"no {', '.join(unrecorded)}", "they were"))
+            shown = ", ".join(f"{key}={value!r}" for key, value in mine.items())
+            raise ValueError(f"the GIFT state records {what} (it was saved before {kept} kept), so "
+                             f"it cannot be checked against this state's ({shown}); refused, this state is left as "
+                             "it was. If it was saved with these arguments, give it their record: "
+                             f"saved['config'] = {holder}.configuration()")
+        if saved != mine:
+            differ = ", ".join(f"{key} {saved.get(key)!r} (this state: {mine.get(key)!r})"
+                               for key in {**mine, **saved} if saved.get(key) != mine.get(key))
             raise ValueError(f"the GIFT state was saved with {differ}: load it into a state made with the same "
-                             "arguments (the exchange may differ)")
+                             "arguments (the exchange and refresh_every may differ)")
 
     def state_dict(self, parameters) -> dict:
         """What resumes the hook bit for bit (with the model's and optimizer's own state):
@@ -496,7 +514,8 @@ class GiftState:
     def load_state_dict(self, state: dict, parameters) -> None:
         """Resume from ``state_dict(parameters)``; this state must have been made with the
         same layers (or the same selection's candidates) of a model with the same parameters,
-        and the same ``configuration()``."""
+        and the same ``configuration()`` (``check_configuration``: a state that records none
+        is refused until vouched for)."""
         self.check_configuration(state.get("config"))
         parameters = list(parameters)
         if self.selection is not None:

@@ -81,7 +81,7 @@ class GiftSplitReducer:
                 "wire_bytes": dict(self.state.wire_bytes), "received_bytes": dict(self.state.received_bytes)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.state.check_configuration(state.get("config"))
+        self.state.check_configuration(state.get("config"), "reducer.state")
         self.whitening = None if state["whitening"] is None else Whitening(*[t.clone() for t in state["whitening"]])
         self.state.residuals = {tuple(key): r.clone() for key, r in state["residuals"].items()}
         self.state.shard_residuals = {tuple(key): (a, b, r.clone())
