@@ -706,8 +706,10 @@ class Trainer:
         def measure(layer, x2d, dy2d):
             norms[id(layer.weight)] = _layer_norm(layer, x2d, dy2d, self.norm, inputs)
 
-        self._run(closures, lambda index: measure,
-                  before_backward=lambda index, loss: norm_pass.append((loss.detach(), self._layers_in_forward())))
+        # A copy of each loss: a closure may return one buffer it writes each time, which
+        # the stepping pass would overwrite before the comparison.
+        self._run(closures, lambda index: measure, before_backward=lambda index, loss: norm_pass.append(
+            (loss.detach().clone(), self._layers_in_forward())))
         scale = self._clip_scale(norms, inputs)
         scale_value = float(scale)
         put_back = set_aside_clipped_gradients(self.model, scale)

@@ -99,6 +99,20 @@ def test_exact_clipping_refuses_a_closure_that_draws_its_batch(device):
     assert all(int(layer.forge_step) == 1 for layer in fk.fused_layers(model))
 
 
+def test_exact_clipping_compares_a_loss_returned_in_a_reused_buffer(device):
+    """A closure that writes its loss into one buffer and returns it each time: the norm
+    pass's loss must be kept as a copy, or the stepping pass overwrites it and the two
+    passes compare equal whatever they computed (the steps then taken with the norm of
+    another batch). A closure drawing its batch is refused as with a fresh loss tensor."""
+    model, trainer = _trainer(device, max_norm=1.0)
+    batches = iter([_batch(device, seed) for seed in range(2)])
+    buffer = torch.zeros((), device=device)
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"two passes gave different losses .*nothing was stepped"):
+        trainer.step(lambda: buffer.detach_().copy_(model(next(batches)).square().mean()))
+    _assert_nothing_stepped(model, trainer, before)
+
+
 @pytest.mark.parametrize("only_in", ["norm pass", "stepping pass"])
 def test_exact_clipping_refuses_a_layer_in_one_pass_only(only_in, device):
     """Layer b runs in one pass only, with a loss of the same bits (b enters it times 0):
