@@ -259,7 +259,8 @@ def test_a_bucket_reducer_saved_without_its_configuration_is_refused_until_vouch
     del legacy["config"]
     legacy["residuals"] = {(0, 64): torch.full((64,), 1e-3)}
     target = fk.gift.GiftSplitReducer("nvfp4", None, error_feedback=False)
-    with pytest.raises(ValueError, match=r"records no configuration.*saved\['config'\] = reducer\.state\.configuration"):
+    vouch = r"saved\['config'\] = reducer\.state\.configuration"
+    with pytest.raises(ValueError, match=r"records no configuration.*" + vouch):
         target.load_state_dict(legacy)
     assert target.state.residuals == {}
     legacy["config"] = target.state.configuration()
@@ -272,3 +273,66 @@ def test_a_bucket_reducer_loads_only_into_the_configuration_it_was_saved_with():
     with pytest.raises(ValueError, match="saved with damping 0.5"):
         fk.gift.GiftSplitReducer("e4m3", None).load_state_dict(saved)
     fk.gift.GiftSplitReducer("e4m3", None, damping=0.5, exchange="all_gather").load_state_dict(saved)
+
+
+class _SecondRankOfTwo:
+    """torch.distributed as rank 1 of a 2-rank gloo group sees it, without a group: the
+    all-reduces leave the tensors as they are (rank 0 recorded a window), the broadcast of
+    the factors' rank gives ``rank``, and every broadcast's device is recorded."""
+
+    def __init__(self, monkeypatch, rank: int):
+        self.rank, self.devices = rank, []
+        for name, value in (("get_backend", lambda group=None: "gloo"), ("get_world_size", lambda group=None: 2),
+                            ("get_rank", lambda group=None: 1), ("get_process_group_ranks", lambda group: [0, 1]),
+                            ("all_reduce", self.all_reduce), ("broadcast", self.broadcast)):
+            monkeypatch.setattr(torch.distributed, name, value)
+
+    def all_reduce(self, tensor, op=None, group=None):
+        if tensor.dtype == torch.int64:
+            tensor.fill_(1)  # some rank recorded a window
+
+    def broadcast(self, tensor, src, group=None):
+        if tensor.dtype == torch.int64:
+            tensor.fill_(self.rank)  # the source's factors' rank
+        else:
+            self.devices.append(tensor.device.type)
+
+
+def _refresh_without_a_window(kind):
+    """The factors a rank that recorded no input receives, on a meta layer (the meta device
+    stands in for CUDA): through ``agreed_whitening``, ``GiftState.refresh``, or
+    ``GiftSplitReducer.refresh`` with an empty part."""
+    layer = nn.Linear(16, 8, bias=False, device="meta")
+    if kind == "hook":
+        state = fk.gift.GiftState(None, "e4m3", 4, layers=[layer])
+        state.refresh(0)
+        return state.whitenings[0]
+    if kind == "split":
+        reducer = fk.gift.GiftSplitReducer("e4m3", None, rank=4)
+        reducer.refresh([(torch.empty(0, 16, device="meta"), None)])
+        return reducer.whitening
+    return fk.gift.agreed_whitening(None, 16, 4, 1e-3, device=layer.weight.device)[0]
+
+
+@pytest.mark.parametrize("kind", ["agreed_whitening", "hook", "split"])
+def test_factors_are_received_on_the_gradients_device(kind, monkeypatch):
+    """A rank other than the group's first receives the factors on the device of its
+    gradients, where the first rank computes them: since d5f160e they were received on the
+    collectives' bookkeeping device (the CPU for any backend but "nccl"), so with gloo and
+    CUDA gradients the first rank broadcast CUDA factors into the others' CPU ones, and
+    ``G @ U`` failed on those; a rank that recorded no window took the CPU even before."""
+    monkeypatch.setattr(fk.gift.Whitening, "digest", lambda self: "")  # meta tensors have no bytes
+    wire = _SecondRankOfTwo(monkeypatch, 4)
+    whitening = _refresh_without_a_window(kind)
+    assert whitening.rank == 4
+    assert {t.device.type for t in whitening.tensors()} == {"meta"} and set(wire.devices) == {"meta"}
+
+
+def test_a_recorded_covariance_gives_factors_on_its_device(monkeypatch):
+    """The same with a covariance recorded on this rank: the factors are received on its
+    device (the first rank computes them on the all-reduced covariance's)."""
+    wire = _SecondRankOfTwo(monkeypatch, 3)
+    A = torch.empty(16, 16, device="meta")
+    whitening, _ = fk.gift.agreed_whitening(A, 16, 4, 1e-3)
+    assert whitening.rank == 3 and {t.device.type for t in whitening.tensors()} == {"meta"}
+    assert set(wire.devices) == {"meta"}

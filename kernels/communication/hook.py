@@ -207,7 +207,8 @@ class GiftState:
             new = Whitening.identity(layer.in_features)
         else:
             A = self.tracker.covariance(layer) if self.tracker.rows(layer) else None
-            new, sent = agreed_whitening(A, layer.in_features, self.rank, self.damping, self.process_group)
+            new, sent = agreed_whitening(A, layer.in_features, self.rank, self.damping, self.process_group,
+                                         device=layer.weight.device)
             self.wire_bytes["refresh"] += sent
             if new is None:
                 return  # nothing recorded anywhere: keep the transform

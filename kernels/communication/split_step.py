@@ -53,7 +53,8 @@ class GiftSplitReducer:
         rows = sum(x.shape[0] for x in xs)
         with full_precision(xs[0].device.type):
             A = sum(x.T @ x for x in xs) / rows if rows else None
-        new, sent = agreed_whitening(A, xs[0].shape[-1], self.state.rank, self.state.damping, self.group)
+        new, sent = agreed_whitening(A, xs[0].shape[-1], self.state.rank, self.state.damping, self.group,
+                                     device=xs[0].device)
         self.state.wire_bytes["refresh"] += sent
         if new is None:
             return

@@ -159,7 +159,7 @@ class Whitening:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
+def agreed_whitening(A, features: int, rank: int, damping: float, group=None, *, device=None):
     """One transform for every rank of ``group`` from this rank's covariance ``A`` (None
     when this rank recorded nothing): the ranks' A averaged by an all-reduce (a rank that
     recorded nothing adds zeros), the factors computed on the group's first rank only (one
@@ -167,13 +167,21 @@ def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
     knows only after computing them: 0 for an all-zero A), or -1 if it could not compute
     them, so that every rank raises instead of the others waiting for factors that never
     come; then the factors, into zeros of that shape on the other ranks. None when no rank
-    recorded anything. Returns (whitening, bytes this rank put into collectives)."""
-    device = wire_device(group)
-    recorded = torch.tensor([0 if A is None else 1], dtype=torch.int64, device=device)
+    recorded anything. Returns (whitening, bytes this rank put into collectives).
+
+    ``device``: where the factors are used (the gradients' device; None: A's, or, where
+    this rank recorded nothing, the collectives' bookkeeping device). The covariance and
+    the factors live there on every rank, so every rank issues their collectives on the
+    same device (with gloo and CUDA gradients, or a group serving CUDA by NCCL and the CPU
+    by gloo, the bookkeeping device is the CPU and theirs is not); the counts and the
+    factors' rank stay on the bookkeeping device, which every rank of the group shares."""
+    wire = wire_device(group)
+    device = torch.device(device) if device is not None else A.device if A is not None else wire
+    recorded = torch.tensor([0 if A is None else 1], dtype=torch.int64, device=wire)
     dist.all_reduce(recorded, group=group)
     if int(recorded) == 0:
         return None, recorded.numel() * 8
-    total = torch.zeros(features, features, device=device) if A is None else A.clone()
+    total = torch.zeros(features, features, device=device) if A is None else A.to(device, copy=True)
     dist.all_reduce(total, group=group)
     total /= dist.get_world_size(group)
     source = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)[0]
@@ -183,7 +191,7 @@ def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
             whitening = Whitening.from_covariance(total, rank, damping)
         except Exception as error:  # noqa: BLE001 - raised below, after the other ranks are told
             failure = error
-    kept = torch.tensor([whitening.rank if whitening is not None else -1], dtype=torch.int64, device=device)
+    kept = torch.tensor([whitening.rank if whitening is not None else -1], dtype=torch.int64, device=wire)
     dist.broadcast(kept, source, group=group)  # the other ranks' -1 is overwritten
     if failure is not None:
         raise failure
@@ -191,7 +199,7 @@ def agreed_whitening(A, features: int, rank: int, damping: float, group=None):
         raise ValueError(f"the group's first rank ({source}) could not compute GIFT's transform from the "
                          "all-reduced covariance; its error says why")
     if whitening is None:
-        whitening = Whitening.zeros(features, int(kept), device)
+        whitening = Whitening.zeros(features, int(kept), total.device)
     whitening.broadcast(source, group)
     return whitening, recorded.numel() * 8 + total.numel() * 4 + kept.numel() * 8 + whitening.nbytes()
 
