@@ -20,6 +20,8 @@ bitwise the standard pipeline with ``gradients="materialized"``; on the fused pa
 in another order. What each costs is in ``Trainer``'s docstring.
 """
 
+import copy
+
 import torch
 # The grouping clip_grad_norm_ itself uses: the norms must be stacked in its order.
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -111,6 +113,12 @@ def check_norm(norm, max_norm) -> None:
                          "set max_norm, or leave norm at its default")
 
 
+# What has happened when a step refuses a value before anything runs, and after.
+NOTHING_STEPPED = "nothing was stepped"
+STEP_TAKEN = ("this step was taken (the fused layers, the torch optimizer and the scheduler stepped); the rules keep "
+              "its values, and the next step() refuses the group's until they are corrected")
+
+
 def non_finite_norm_error(norm: float, stepped: str) -> FloatingPointError:
     return FloatingPointError(f"the global gradient norm is {norm}; {stepped}")
 
@@ -120,7 +128,7 @@ PREVIOUS_NORM_STEPPED = ("the fused layers have stepped (previous-norm clipping 
                          "the torch optimizer has not")
 
 
-def clip_scale(params, max_norm: float, fused_norms: dict, inputs=None, stepped="nothing was stepped") -> tuple:
+def clip_scale(params, max_norm: float, fused_norms: dict, inputs=None, stepped=NOTHING_STEPPED) -> tuple:
     """(global norm, clip coefficient) as ``total_norm`` and ``clip_coefficient`` give
     them; a non-finite norm raises, after ``inputs`` (an ``_InputCheck``, if given) has
     raised its more precise error where non-finite operands are the cause. Synchronizes."""
@@ -201,6 +209,25 @@ def _as_rule_value(value):
     if isinstance(value, (tuple, list)):
         return tuple(_as_rule_value(v) for v in value)
     return float(value)
+
+
+def _set_hyperparameters(rule, values: dict) -> None:
+    for name, value in values.items():
+        setattr(rule, name, value)
+
+
+def _check_rule_takes(rule, values: dict, previous: dict, done: str) -> None:
+    """Refuse ``values`` (name -> value) that ``rule`` would refuse, checked on a copy of
+    it, so that a refused value never reaches the rule. The error names the values that
+    differ from ``previous`` and ends with ``done`` (what has happened by then)."""
+    trial = copy.copy(rule)
+    _set_hyperparameters(trial, values)
+    try:
+        trial._validate()
+    except (ValueError, TypeError) as error:
+        changed = ", ".join(f"{name}={value!r} (was {previous[name]!r})" for name, value in values.items()
+                            if value != previous.get(name)) or ", ".join(f"{n}={v!r}" for n, v in values.items())
+        raise type(error)(f"the fused {type(rule).__name__} group's {changed} is refused: {error}; {done}") from error
 
 
 class _FusedGroupsOnly(torch.optim.Optimizer):
@@ -546,37 +573,48 @@ class Trainer:
             optimizer.add_param_group(group)
         return optimizer
 
-    def _sync_hyperparameters(self):
+    def _sync_hyperparameters(self, done=NOTHING_STEPPED):
         """Give each fused rule its group's hyperparameters, where a scheduler moves them.
         One set on the rule itself since the last sync (``rule.lr = ...``) is adopted into
         the group first, as a change of ``group["lr"]`` by hand would be; one set on both
         is refused. A momentum that a scheduler moves in the group but the rule does not
-        have (SGD's momentum for AdamW) is refused: the rule would never see it."""
-        for group in self.optimizer.param_groups:
-            if _GROUP_KEY not in group:
-                continue
-            index = group[_GROUP_KEY]
-            rule, synced = self.rules[index], self._synced.get(index, {})
-            held = group.get(_HELD_KEY, ("lr",))
-            own = rule.hyperparameters()
-            for name in held:
-                mine, theirs = _as_rule_value(own[name]), _as_rule_value(group[name])
-                if name in synced and mine != synced[name]:  # set on the rule
-                    if theirs not in (synced[name], mine):
-                        raise ValueError(f"{type(rule).__name__}'s {name} was set to {mine!r} on the rule and to "
-                                         f"{theirs!r} in its param group since the last step: set it in one place")
-                    group[name] = theirs = mine
-                setattr(rule, name, theirs)
-            rule._validate()
-            moved = [name for name in _SCHEDULED_MOMENTA if name in synced and name not in held
-                     and _as_rule_value(group[name]) != synced[name]]
-            if moved:
-                raise ValueError(f"the fused {type(rule).__name__} group's {moved[0]!r} was moved (to "
-                                 f"{group[moved[0]]!r}, by a scheduler?), but {type(rule).__name__} has no "
-                                 f"{moved[0]} (it has {list(own)}): the change would be lost. Build the scheduler "
-                                 "without it (OneCycleLR, CyclicLR: cycle_momentum=False)")
-            self._synced[index] = {name: _as_rule_value(group[name])
-                                   for name in (*held, *_SCHEDULED_MOMENTA) if name in group}
+        have (SGD's momentum for AdamW) is refused: the rule would never see it. Every
+        group is checked before any rule or group is written, so a refused value (its
+        error ends with ``done``) reaches no rule and is refused again at the next sync."""
+        updates = [self._group_update(group, done) for group in self.optimizer.param_groups if _GROUP_KEY in group]
+        for group, values, adopted, record in updates:
+            group.update(adopted)
+            _set_hyperparameters(self.rules[group[_GROUP_KEY]], values)
+            self._synced[group[_GROUP_KEY]] = record
+
+    def _group_update(self, group, done):
+        """(group, the values its rule takes, those adopted into the group from the rule,
+        the record of this sync) for one fused group, checked; nothing is written."""
+        index = group[_GROUP_KEY]
+        rule, synced = self.rules[index], self._synced.get(index, {})
+        held = group.get(_HELD_KEY, ("lr",))
+        own = rule.hyperparameters()
+        values, adopted = {}, {}
+        for name in held:
+            mine, theirs = _as_rule_value(own[name]), _as_rule_value(group[name])
+            if name in synced and mine != synced[name]:  # set on the rule
+                if theirs not in (synced[name], mine):
+                    raise ValueError(f"{type(rule).__name__}'s {name} was set to {mine!r} on the rule and to "
+                                     f"{theirs!r} in its param group since the last step: set it in one place; "
+                                     f"{done}")
+                adopted[name] = theirs = mine
+            values[name] = theirs
+        _check_rule_takes(rule, values, previous={**own, **synced}, done=done)
+        moved = [name for name in _SCHEDULED_MOMENTA if name in synced and name not in held
+                 and _as_rule_value(group[name]) != synced[name]]
+        if moved:
+            raise ValueError(f"the fused {type(rule).__name__} group's {moved[0]!r} was moved (to "
+                             f"{group[moved[0]]!r}, by a scheduler?), but {type(rule).__name__} has no "
+                             f"{moved[0]} (it has {list(own)}): the change would be lost. Build the scheduler "
+                             f"without it (OneCycleLR, CyclicLR: cycle_momentum=False); {done}")
+        record = {name: values[name] if name in values else _as_rule_value(group[name])
+                  for name in (*held, *_SCHEDULED_MOMENTA) if name in group}
+        return group, values, adopted, record
 
     def step(self, closures):
         """One optimizer step over the micro-batches ``closures``; returns their losses
@@ -609,7 +647,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        self._sync_hyperparameters()  # so the rules always show the next step's values
+        # So the rules always show the next step's values; one the scheduler moved to a value
+        # refused here is refused again, before anything runs, by the next step().
+        self._sync_hyperparameters(done=STEP_TAKEN)
         return losses
 
     def _refuse_stopped_layers(self):
@@ -764,7 +804,7 @@ class Trainer:
         scale_unfused_gradients(self.model, scale)
         return losses
 
-    def _clip_scale(self, fused_norms, inputs=None, stepped="nothing was stepped"):
+    def _clip_scale(self, fused_norms, inputs=None, stepped=NOTHING_STEPPED):
         self.last_norm, coefficient = clip_scale(self.model.parameters(), self.max_norm, fused_norms, inputs, stepped)
         return coefficient
 

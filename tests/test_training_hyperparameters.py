@@ -109,6 +109,30 @@ def test_a_rule_hyperparameter_set_directly_is_adopted_into_its_group(device):
         assert_bitwise_equal(value, before[name], name)
 
 
+def test_a_refused_group_value_reaches_neither_the_rule_nor_the_next_step(device):
+    """group["lr"] = -1 is refused before anything steps, and the rule keeps its lr: the
+    refused value must not count as one set on the rule at the next step (it would be
+    copied back over the user's correction). Corrected in the group, the step goes on."""
+    model = _model(device, bias=False)
+    rule = fk.AdamW(lr=0.1)
+    fk.fuse(model, rule)
+    trainer = fk.Trainer(model)
+    trainer.step(_loss(model, device, 0))
+    group = trainer.optimizer.param_groups[0]
+    group["lr"] = -1.0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"fused AdamW group's lr=-1.0 \(was 0.1\) is refused: "
+                                         r"lr=-1.0 is outside .*nothing was stepped"):
+        trainer.step(_loss(model, device, 1))
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+    assert rule.lr == 0.1
+    group["lr"] = 0.05
+    trainer.step(_loss(model, device, 1))
+    assert rule.lr == group["lr"] == 0.05
+    assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
+
+
 def test_a_scheduled_momentum_the_rule_does_not_have_is_refused(device):
     """A torch AdamW optimizer's OneCycleLR cycles every group's betas, the fused SGD group's
     too, which SGD cannot take: refused when the scheduler is built, not lost in silence;
