@@ -170,13 +170,14 @@ class _Bucket:
         return False
 
 
-@pytest.mark.parametrize("backend, device, threaded", [("gloo", "cpu", True), ("nccl", "cpu", False),
-                                                       ("gloo", "meta", False)])
-def test_overlap_by_default_only_where_the_thread_works(backend, device, threaded, monkeypatch):
+@pytest.mark.parametrize("config, device, threaded", [("cpu:gloo,cuda:gloo", "cpu", True), ("cuda:nccl", "cpu", False),
+                                                      ("cpu:gloo,cuda:gloo", "meta", False)])
+def test_overlap_by_default_only_where_the_thread_works(config, device, threaded, monkeypatch):
     """The default (None) reduces on the communication thread for a gloo group with CPU
     gradients, inline elsewhere: the thread's current CUDA device is cuda:0 on every rank.
-    NCCL is stood in for by the backend's name, CUDA gradients by the meta device."""
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    NCCL is stood in for by the group's backend configuration, CUDA gradients by the meta
+    device."""
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: config)
     state = fk.gift.GiftState(None, "e4m3", layers=())
     buffer = torch.zeros(4, device=device)
     future = fk.gift.gift_hook(state, _Bucket(buffer))
@@ -189,17 +190,17 @@ def test_overlap_is_refused_where_the_thread_does_not_work(monkeypatch):
     """``overlap=True`` with NCCL: refused at construction when the group exists, else at
     the first bucket; with gloo, refused for gradients off the CPU (the meta device stands
     in for CUDA)."""
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "cuda:nccl")
     state = fk.gift.GiftState(None, "e4m3", layers=(), overlap=True)  # no group yet: checked at the first bucket
-    with pytest.raises(ValueError, match="not nccl"):
+    with pytest.raises(ValueError, match="not a group of cuda:nccl"):
         fk.gift.gift_hook(state, _Bucket(torch.zeros(4)))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="overlap=True reduces on a thread"):
         fk.gift.GiftState(None, "e4m3", layers=(), overlap=True)
     assert fk.gift.GiftState(None, "e4m3", layers=(), overlap=False).overlap is False
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "cpu:gloo,cuda:gloo")
     state = fk.gift.GiftState(None, "e4m3", layers=(), overlap=True)
-    with pytest.raises(ValueError, match="not gloo with meta gradients"):
+    with pytest.raises(ValueError, match="not meta gradients"):
         fk.gift.gift_hook(state, _Bucket(torch.zeros(4, device="meta")))
     with pytest.raises(ValueError, match="overlap must be"):
         fk.gift.GiftState(None, "e4m3", layers=(), overlap="yes")
@@ -336,3 +337,27 @@ def test_a_recorded_covariance_gives_factors_on_its_device(monkeypatch):
     whitening, _ = fk.gift.agreed_whitening(A, 16, 4, 1e-3)
     assert whitening.rank == 3 and {t.device.type for t in whitening.tensors()} == {"meta"}
     assert set(wire.devices) == {"meta"}
+
+
+@pytest.fixture
+def group_made_without_a_backend_name(tmp_path):
+    """This process as the one rank of a group made as ``init_process_group()`` makes it,
+    without a backend name: ``get_backend`` reports "undefined" there (torch 2.13), though
+    gloo reduces its CPU tensors."""
+    torch.distributed.init_process_group(store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                         rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_overlap_follows_the_backend_serving_the_gradients_device(group_made_without_a_backend_name):
+    """The default reduced inline and ``overlap=True`` was refused ("not undefined") in a
+    group made without a backend name, though gloo reduces its CPU gradients: the choice
+    goes by the backend serving the gradients' device, not the group's one name. The meta
+    device stands in for a device the group does not serve by gloo."""
+    default = fk.gift.GiftState(None, "e4m3", layers=())
+    assert default.overlapping(torch.device("cpu"))
+    assert fk.gift.GiftState(None, "e4m3", layers=(), overlap=True).overlapping(torch.device("cpu"))
+    assert not fk.gift.GiftState(None, "e4m3", layers=()).overlapping(torch.device("meta"))

@@ -42,8 +42,9 @@ refreshes (or a state is loaded at another world size, so its shard moves) the o
 folds the shard residual into its own first residual, which carries it into the sum all
 the same.
 
-Asynchrony (``overlap=True``; the default, None, chooses it where it is supported, a gloo
-group reducing CPU tensors, and reduces inline elsewhere): the hook returns at once; the
+Asynchrony (``overlap=True``; the default, None, chooses it where it is supported, CPU
+gradients in a group that reduces CPU tensors by gloo, whether it was made with that name
+or without one, and reduces inline elsewhere): the hook returns at once; the
 bucket's whole reduction (refreshes, collectives, codec) runs on the state's one
 communication thread, buckets in the order DDP hands them over, and completes the
 returned future. One thread
@@ -54,7 +55,8 @@ order. The same thread keeps every GIFT collective in bucket order on every rank
 options that issue collectives of their own during backward (``find_unused_parameters``)
 are not supported with it, and it has run on gloo with CPU tensors only: the thread does
 not carry the caller's CUDA device, stream or events (its current device is cuda:0 on
-every rank), so ``overlap=True`` is refused (ValueError) for another backend, at
+every rank), so ``overlap=True`` is refused (ValueError) for a group that reduces CPU
+tensors by another backend or none, at
 construction when the process group exists by then, else at the first bucket, and for
 gradients that are not on the CPU. ``overlap=False`` reduces inside the hook (the bits are
 the same: the same code runs on the same data).
@@ -77,6 +79,15 @@ from .whitening import CovarianceTracker, Whitening, agreed_whitening, check_ran
 
 WIRE_FORMATS = ("e4m3", "e5m2", "nvfp4", "fp32")
 EXCHANGES = ("reduce_scatter", "all_gather")
+
+
+def serving_backend(device_type: str, group=None) -> str | None:
+    """The backend by which ``group`` reduces ``device_type`` tensors (None: none). Not
+    ``dist.get_backend``: that names one backend only for a group made with one name, and
+    a group made without (``init_process_group()``) reports "undefined" though gloo serves
+    its CPU tensors (and NCCL its CUDA ones)."""
+    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl"; a name alone, as "gloo", is expanded
+    return dict(pair.split(":", 1) for pair in config.split(",")).get(device_type)
 
 
 class GiftState:
@@ -131,7 +142,7 @@ class GiftState:
         if overlap not in (None, True, False):
             raise ValueError(f"overlap must be True, False or None (where supported), got {overlap!r}")
         if overlap and dist.is_initialized():
-            self._check_overlap(dist.get_backend(process_group), None)
+            self._check_overlap(process_group, None)
         self.process_group = process_group
         self.fmt, self.rank, self.refresh_every, self.damping = fmt, rank, refresh_every, damping
         self.unselected, self.error_feedback, self.transform = unselected, error_feedback, transform
@@ -176,11 +187,17 @@ class GiftState:
             self.tracker.add(layers)
 
     @staticmethod
-    def _check_overlap(backend: str, device) -> None:
-        """Refuse ``overlap=True`` where the thread is not known to work (``device`` None: not
-        known yet)."""
-        if backend != "gloo" or (device is not None and device.type != "cpu"):
-            where = f"{backend}" + ("" if device is None else f" with {device.type} gradients")
+    def _thread_works(group, device) -> bool:
+        """Whether the communication thread is known to work: the group reduces CPU tensors
+        by gloo and the gradients (``device``; None: not known yet) are on the CPU."""
+        return serving_backend("cpu", group) == "gloo" and (device is None or device.type == "cpu")
+
+    @classmethod
+    def _check_overlap(cls, group, device) -> None:
+        """Refuse ``overlap=True`` where the thread is not known to work."""
+        if not cls._thread_works(group, device):
+            where = (f"{device.type} gradients" if serving_backend("cpu", group) == "gloo"
+                     else f"a group of {dist.get_backend_config(group)}")
             raise ValueError(f"overlap=True reduces on a thread that does not carry the caller's CUDA device, stream "
                              f"or events; it runs on gloo with CPU gradients only, not {where}: pass overlap=False "
                              "(or None, which reduces inline there)")
@@ -189,10 +206,10 @@ class GiftState:
         """Whether buckets reduce on the communication thread, settled at the first bucket
         (``device``: its gradients') and kept, so that every bucket goes the same way."""
         if self._overlapping is None:
-            backend = dist.get_backend(self.process_group)
             if self.overlap:
-                self._check_overlap(backend, device)
-            self._overlapping = (backend == "gloo" and device.type == "cpu") if self.overlap is None else self.overlap
+                self._check_overlap(self.process_group, device)
+            self._overlapping = self._thread_works(self.process_group, device) if self.overlap is None \
+                else self.overlap
         return self._overlapping
 
     @property
