@@ -113,8 +113,10 @@ def check_norm(norm, max_norm) -> None:
                          "set max_norm, or leave norm at its default")
 
 
-# What has happened when a step refuses a value before anything runs, and after.
+# What has happened when a value is refused: before a step runs, while the Trainer is
+# made, after a step.
 NOTHING_STEPPED = "nothing was stepped"
+NOT_MADE = "the Trainer was not made; the optimizer and the rules are as they were"
 STEP_TAKEN = ("this step was taken (the fused layers, the torch optimizer and the scheduler stepped); the rules keep "
               "its values, and the next step() refuses the group's until they are corrected")
 
@@ -225,9 +227,27 @@ def _check_rule_takes(rule, values: dict, previous: dict, done: str) -> None:
     try:
         trial._validate()
     except (ValueError, TypeError) as error:
-        changed = ", ".join(f"{name}={value!r} (was {previous[name]!r})" for name, value in values.items()
-                            if value != previous.get(name)) or ", ".join(f"{n}={v!r}" for n, v in values.items())
+        changed = {name: value for name, value in values.items() if name not in previous or value != previous[name]}
+        changed = ", ".join(f"{name}={value!r}" + (f" (was {previous[name]!r})" if name in previous else "")
+                            for name, value in (changed or values).items())
         raise type(error)(f"the fused {type(rule).__name__} group's {changed} is refused: {error}; {done}") from error
+
+
+def _restorer(optimizer, rules):
+    """A function that puts ``optimizer``'s param groups (how many, and what each holds)
+    and the ``rules``' hyperparameters back as they are now."""
+    groups = [] if optimizer is None else [(group, dict(group)) for group in optimizer.param_groups]
+    values = [(rule, rule.hyperparameters()) for rule in rules]
+
+    def restore():
+        if optimizer is not None:
+            del optimizer.param_groups[len(groups):]
+            for group, held in groups:
+                group.clear()
+                group.update(held)
+        for rule, hyperparameters in values:
+            _set_hyperparameters(rule, hyperparameters)
+    return restore
 
 
 class _FusedGroupsOnly(torch.optim.Optimizer):
@@ -445,8 +465,11 @@ class Trainer:
     ``scheduler``, if given, is a callable ``optimizer -> LRScheduler``; it is built after
     the fused groups are added, so it drives the fused rules' ``lr`` (and momentum) too,
     and it is stepped once per ``step()``. ``ReduceLROnPlateau`` steps on a metric: build
-    it on ``trainer.optimizer`` and step it yourself. A rule hyperparameter set on the
-    rule (``rule.lr = ...``) is adopted into its group at the next step.
+    it on ``trainer.optimizer`` and step it yourself. A scheduler cycling a momentum that a
+    fused rule lacks or refuses (OneCycleLR, CyclicLR) is refused when the Trainer is made;
+    a refused Trainer leaves the optimizer and the rules as they were. A rule
+    hyperparameter set on the rule (``rule.lr = ...``) is adopted into its group at the
+    next step; a group value the rule refuses reaches no rule.
 
     ``step(closures)``: ``closures`` is one callable, or a list with one per micro-batch;
     each runs a forward and returns a scalar loss, which the trainer backpropagates
@@ -551,16 +574,17 @@ class Trainer:
             raise TypeError("scheduler must be a callable optimizer -> LRScheduler (e.g. lambda opt: "
                             "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)): it has to be built after "
                             "the trainer adds the fused groups to the optimizer")
-        self.optimizer = self._with_fused_groups(optimizer)
-        self._synced = {}  # rule index -> its group's values at the last sync
-        self._sync_hyperparameters()
-        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TypeError("ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)) that the Trainer does not "
-                            "have: pass no scheduler=, build it on trainer.optimizer after the Trainer and call its "
-                            "step(metric) yourself; the Trainer hands the reduced lr to the fused rules at the next "
-                            "step")
-        self._sync_hyperparameters()  # a scheduler may set them when it is built (OneCycleLR's momentum)
+        # A refused Trainer leaves the user's optimizer and rules as they were: its groups
+        # added, and a scheduler's values set when it is built, are undone.
+        undo = _restorer(optimizer, self.rules)
+        try:
+            self.optimizer = self._with_fused_groups(optimizer)
+            self._synced = {}  # rule index -> its group's values at the last sync
+            self._sync_hyperparameters(done=NOT_MADE)
+            self.scheduler = None if scheduler is None else self._built_scheduler(scheduler)
+        except BaseException:
+            undo()
+            raise
         self.last_norm = None
 
     def _with_fused_groups(self, optimizer):
@@ -572,6 +596,44 @@ class Trainer:
         for group in groups:
             optimizer.add_param_group(group)
         return optimizer
+
+    def _built_scheduler(self, build):
+        """The scheduler ``build(optimizer)`` makes, checked, its values given to the rules."""
+        scheduler = build(self.optimizer)
+        name = type(scheduler).__name__
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError("ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)) that the Trainer does not "
+                            "have: pass no scheduler=, build it on trainer.optimizer after the Trainer and call its "
+                            "step(metric) yourself; the Trainer hands the reduced lr to the fused rules at the next "
+                            f"step; {NOT_MADE}")
+        self._check_cycled_momenta(name)
+        # A scheduler may set them when it is built (OneCycleLR's momentum).
+        self._sync_hyperparameters(done=f"{name} set it when it was built; {NOT_MADE}")
+        return scheduler
+
+    def _check_cycled_momenta(self, name):
+        """Refuse a scheduler that cycles a momentum (OneCycleLR, CyclicLR: ``max_momentum``
+        and ``base_momentum`` in every group, the optimizer's kind of momentum cycled
+        between them) that a fused rule does not have, or through values it refuses:
+        found when it is built, not after a step has been taken with it (``name``: the
+        scheduler's). Nothing is written."""
+        key = "betas" if "betas" in self.optimizer.defaults else "momentum"  # as torch's schedulers choose
+        for group in self.optimizer.param_groups:
+            if _GROUP_KEY not in group or "max_momentum" not in group:
+                continue
+            rule = self.rules[group[_GROUP_KEY]]
+            held, rule_name = group.get(_HELD_KEY, ("lr",)), type(rule).__name__
+            if key not in held:
+                raise ValueError(f"{name} cycles the {key!r} of every param group (cycle_momentum=True), the fused "
+                                 f"{rule_name} group's too, but {rule_name} has no {key} (it has "
+                                 f"{list(rule.hyperparameters())}): the cycle would be lost. Build the scheduler "
+                                 f"with cycle_momentum=False; {NOT_MADE}")
+            low, high = group["base_momentum"], group["max_momentum"]
+            for momentum in (low, high):
+                value = momentum if key == "momentum" else (momentum, *_as_rule_value(group["betas"])[1:])
+                _check_rule_takes(rule, {key: _as_rule_value(value)}, previous={}, done=(
+                    f"{name} cycles the fused {rule_name} group's {key} between {low!r} and {high!r}. Build the "
+                    f"scheduler with cycle_momentum=False; {NOT_MADE}"))
 
     def _sync_hyperparameters(self, done=NOTHING_STEPPED):
         """Give each fused rule its group's hyperparameters, where a scheduler moves them.

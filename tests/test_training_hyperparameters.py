@@ -133,22 +133,109 @@ def test_a_refused_group_value_reaches_neither_the_rule_nor_the_next_step(device
     assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
 
 
-def test_a_scheduled_momentum_the_rule_does_not_have_is_refused(device):
-    """A torch AdamW optimizer's OneCycleLR cycles every group's betas, the fused SGD group's
-    too, which SGD cannot take: refused when the scheduler is built, not lost in silence;
-    without momentum cycling it trains."""
+def _cyclic(optimizer):
+    return torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.01, max_lr=0.1)  # cycle_momentum=True
+
+
+# (fused rule, torch optimizer, scheduler, the momentum the scheduler cycles): OneCycleLR
+# and CyclicLR cycle the optimizer's kind of momentum in every group, the fused one's too.
+# With torch SGD's momentum=0.95 OneCycleLR's first value is the group's own: only the
+# cycle's later steps would move it.
+CYCLES_WHAT_THE_RULE_LACKS = {
+    "SGD-rule-AdamW-optimizer": (lambda: fk.SGD(lr=0.1, momentum=0.9),
+                                 lambda p: torch.optim.AdamW(p, lr=0.1), _one_cycle, "betas"),
+    "AdamW-rule-SGD-optimizer": (lambda: fk.AdamW(lr=0.1),
+                                 lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.95), _one_cycle, "momentum"),
+    "AdamW-rule-SGD-optimizer-CyclicLR": (lambda: fk.AdamW(lr=0.1),
+                                          lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), _cyclic, "momentum"),
+}
+
+
+@pytest.mark.parametrize("case", CYCLES_WHAT_THE_RULE_LACKS)
+def test_a_cycled_momentum_the_rule_does_not_have_is_refused_when_built(case, device):
+    """A scheduler cycling a momentum the fused rule does not have (AdamW's betas for SGD,
+    SGD's momentum for AdamW) is refused when the Trainer is made, naming the scheduler,
+    not after a step has been taken nor lost in silence; without momentum cycling it trains."""
+    make_rule, make_optimizer, make_scheduler, key = CYCLES_WHAT_THE_RULE_LACKS[case]
+    scheduler_name = "CyclicLR" if make_scheduler is _cyclic else "OneCycleLR"
     model = _model(device)
-    fk.fuse(model, fk.SGD(lr=0.1, momentum=0.9))
-    optimizer = torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1)
-    with pytest.raises(ValueError, match=r"group's 'betas' was moved .* SGD has no betas.*cycle_momentum=False"):
-        fk.Trainer(model, optimizer, scheduler=_one_cycle)
-    model = _model(device)
-    fk.fuse(model, fk.SGD(lr=0.1, momentum=0.9))
-    optimizer = torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1)
-    trainer = fk.Trainer(model, optimizer, scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(
-        o, max_lr=0.1, total_steps=10, cycle_momentum=False))
+    rule = make_rule()
+    fk.fuse(model, rule)
+    name = type(rule).__name__
+    with pytest.raises(ValueError, match=rf"{scheduler_name} cycles the '{key}' of every param group .*the fused "
+                                         rf"{name} group's too, but {name} has no {key}.*cycle_momentum=False.*the "
+                                         r"Trainer was not made"):
+        fk.Trainer(model, make_optimizer(fk.unfused_parameters(model)), scheduler=make_scheduler)
+    trainer = fk.Trainer(model, make_optimizer(fk.unfused_parameters(model)), scheduler=lambda o: (
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10, cycle_momentum=False)))
     trainer.step(_loss(model, device, 0))
-    assert trainer.rules[0].momentum == 0.9
+    assert all(int(layer.forge_step) == 1 for layer in fk.fused_layers(model))
+
+
+class _MomentumHalving(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler of one's own that halves every group's momentum at each step after the
+    first: nothing shows it before a step has been taken."""
+
+    def step(self, *args):
+        super().step(*args)
+        if self.last_epoch > 1:
+            for group in self.optimizer.param_groups:
+                group["momentum"] *= 0.5
+
+
+def test_a_momentum_moved_only_by_a_step_says_the_step_was_taken(device):
+    """A momentum the fused rule does not have, moved by a scheduler in a way nothing shows
+    when it is built, is refused after the step that moved it: the error says that step was
+    taken, and the next step refuses it again before anything runs."""
+    model = _model(device)
+    fk.fuse(model, fk.AdamW(lr=0.1))
+    optimizer = torch.optim.SGD(fk.unfused_parameters(model), lr=0.1, momentum=0.9)
+    trainer = fk.Trainer(model, optimizer, scheduler=lambda o: _MomentumHalving(o, lambda epoch: 1.0))
+    trainer.step(_loss(model, device, 0))
+    with pytest.raises(ValueError, match=r"AdamW group's 'momentum' was moved .* AdamW has no momentum.*this step "
+                                         r"was taken"):
+        trainer.step(_loss(model, device, 1))
+    assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
+    with pytest.raises(ValueError, match=r"AdamW group's 'momentum' was moved .*nothing was stepped"):
+        trainer.step(_loss(model, device, 2))
+    assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
+
+
+def _plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+
+# (fused rule, torch optimizer's momentum, scheduler, the refusal): each refused after the
+# Trainer has added its groups to the optimizer and the scheduler has set lr in them.
+REFUSED_TRAINERS = {
+    "ReduceLROnPlateau": (lambda: fk.AdamW(lr=0.1), 0.0, _plateau, TypeError, r"ReduceLROnPlateau steps on a metric"),
+    "momentum-switched-on": (lambda: fk.SGD(lr=0.1), 0.0, _one_cycle, ValueError,
+                             r"fused SGD group's momentum=0.85 is refused: momentum cannot be switched between zero "
+                             r"and non-zero.*OneCycleLR cycles the fused SGD group's momentum between 0.85 and 0.95\. "
+                             r"Build the scheduler with cycle_momentum=False"),
+    "momentum-the-rule-lacks": (lambda: fk.AdamW(lr=0.1), 0.95, _one_cycle, ValueError,
+                                r"OneCycleLR cycles the 'momentum' of every param group"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_TRAINERS)
+def test_a_refused_trainer_leaves_the_optimizer_and_the_rule_as_they_were(case, device):
+    """A Trainer refused when built leaves the user's optimizer (no fused groups added, its
+    own group's lr as it was) and the rule as they were: built again without the refused
+    scheduler, it trains."""
+    make_rule, momentum, make_scheduler, error, message = REFUSED_TRAINERS[case]
+    model = _model(device)
+    rule = make_rule()
+    fk.fuse(model, rule)
+    optimizer = torch.optim.SGD(fk.unfused_parameters(model), lr=0.1, momentum=momentum)
+    groups = [dict(group) for group in optimizer.param_groups]
+    hyperparameters = rule.hyperparameters()
+    with pytest.raises(error, match=message + r".*the Trainer was not made"):
+        fk.Trainer(model, optimizer, scheduler=make_scheduler)
+    assert optimizer.param_groups == groups and rule.hyperparameters() == hyperparameters
+    trainer = fk.Trainer(model, optimizer)
+    trainer.step(_loss(model, device, 0))
+    assert all(int(layer.forge_step) == 1 for layer in fk.fused_layers(model))
 
 
 def test_reduce_lr_on_plateau_is_refused_as_scheduler_and_works_stepped_by_hand(device):
@@ -159,7 +246,7 @@ def test_reduce_lr_on_plateau_is_refused_as_scheduler_and_works_stepped_by_hand(
     fk.fuse(model, fk.AdamW(lr=0.1))
     optimizer = torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1)
     with pytest.raises(TypeError, match=r"ReduceLROnPlateau steps on a metric.*step\(metric\) yourself"):
-        fk.Trainer(model, optimizer, scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+        fk.Trainer(model, optimizer, scheduler=_plateau)
     assert all(int(layer.forge_step) == 0 for layer in fk.fused_layers(model)) and not optimizer.state
 
     model = _model(device)
