@@ -113,9 +113,10 @@ def check_norm(norm, max_norm) -> None:
                          "set max_norm, or leave norm at its default")
 
 
-# What has happened when a value is refused: before a step runs, while the Trainer is
-# made, after a step.
+# What has happened when a value is refused: before a step runs, in a refused load, while
+# the Trainer is made, after a step.
 NOTHING_STEPPED = "nothing was stepped"
+NOTHING_LOADED = "nothing was loaded"
 NOT_MADE = "the Trainer was not made; the optimizer and the rules are as they were"
 STEP_TAKEN = ("this step was taken (the fused layers, the torch optimizer and the scheduler stepped); the rules keep "
               "its values, and the next step() refuses the group's until they are corrected")
@@ -211,6 +212,10 @@ def _as_rule_value(value):
     if isinstance(value, (tuple, list)):
         return tuple(_as_rule_value(v) for v in value)
     return float(value)
+
+
+def _group_kind(group) -> str:
+    return "unfused" if _GROUP_KEY not in group else f"fused rule {group[_GROUP_KEY]}"
 
 
 def _set_hyperparameters(rule, values: dict) -> None:
@@ -902,14 +907,74 @@ class Trainer:
                 "last_norm": self.last_norm}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load ``state_dict()``'s state, or refuse it and change nothing: a checkpoint
+        whose groups are not this trainer's (another rule's hyperparameters in a fused
+        group), with values a rule refuses, or that a fused layer refuses (its state format,
+        rule, hyperparameters: ``ForgeLinear``) raises before the model is loaded, the
+        optimizer, scheduler and rules put back. (An error of torch's own model load, a
+        shape or a missing key, leaves the model as torch leaves it; the rest is put back.)"""
         if (state["scheduler"] is None) != (self.scheduler is None):
-            raise ValueError("the checkpoint and this trainer disagree on having a scheduler")
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        # The loaded groups replace the old ones: the rules take their values (a scheduler's
-        # momentum among them) before the fused layers check their checkpoint's record of them.
-        self._synced = {}
-        self._sync_hyperparameters()
-        self.model.load_state_dict(state["model"])
+            raise ValueError(f"the checkpoint and this trainer disagree on having a scheduler; {NOTHING_LOADED}")
+        self._check_checkpoint_groups(state["optimizer"]["param_groups"])
+        restore = self._state_restorer()
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            # The loaded groups replace the old ones: the rules take their values (a scheduler's
+            # momentum among them) before the fused layers check their checkpoint's record of them.
+            self._synced = {}
+            self._sync_hyperparameters(done=NOTHING_LOADED)
+            self._check_layer_records(state["model"])
+            self.model.load_state_dict(state["model"])
+        except BaseException:
+            restore()
+            raise
         self.last_norm = state["last_norm"]  # clipping='previous-norm' scales the next step by it
+
+    def _check_checkpoint_groups(self, saved_groups):
+        """Refuse a checkpoint whose param groups are not where this trainer's are, or whose
+        fused group holds the hyperparameter names of another rule than this trainer's (its
+        rule would be given values it has no name for). A group without the names (saved
+        before groups held them all) held the lr alone."""
+        saved, ours = ([_group_kind(group) for group in groups]
+                       for groups in (saved_groups, self.optimizer.param_groups))
+        if saved != ours:
+            raise ValueError(f"the checkpoint's param groups are {saved}, this trainer's are {ours}: it was saved by "
+                             f"another model or optimizer; {NOTHING_LOADED}")
+        for group in saved_groups:
+            if _HELD_KEY not in group:
+                continue
+            rule = self.rules[group[_GROUP_KEY]]
+            names = list(rule.hyperparameters())
+            if set(group[_HELD_KEY]) != set(names):
+                raise ValueError(f"the checkpoint's fused group {group[_GROUP_KEY]} holds the hyperparameters "
+                                 f"{list(group[_HELD_KEY])} of another rule: this trainer's {type(rule).__name__} has "
+                                 f"{names} (load a checkpoint of this rule, or fuse with the checkpoint's); "
+                                 f"{NOTHING_LOADED}")
+
+    def _check_layer_records(self, model_state):
+        """Raise what the fused layers refuse in ``model_state`` before the model is loaded:
+        torch's ``load_state_dict`` raises their refusals after loading every other module."""
+        refused = [mismatch for name, module in self.model.named_modules() if isinstance(module, ForgeLinear)
+                   for mismatch in [module._checkpoint_mismatch(model_state, f"{name}." if name else "")]
+                   if mismatch is not None]
+        if refused:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__} ({NOTHING_LOADED}):"
+                               + "".join(f"\n\t{mismatch}" for mismatch in refused))
+
+    def _state_restorer(self):
+        """A function that puts the optimizer (its groups and state), the scheduler, the rules'
+        hyperparameters and the sync record back as they are now, copying no tensor: a load
+        replaces the optimizer's state tensors and writes none of them."""
+        optimizer = self.optimizer.state_dict()
+        scheduler = None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict())
+        rules, synced = _restorer(None, self.rules), self._synced
+
+        def restore():
+            self.optimizer.load_state_dict(optimizer)
+            if scheduler is not None:
+                self.scheduler.load_state_dict(scheduler)
+            rules()
+            self._synced = synced
+        return restore

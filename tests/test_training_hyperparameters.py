@@ -7,6 +7,8 @@ The reference is a hand-written loop: the same model's fused layers stepping in 
 backward, their rule set before each step from a torch scheduler on a torch optimizer.
 """
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -236,6 +238,69 @@ def test_a_refused_trainer_leaves_the_optimizer_and_the_rule_as_they_were(case, 
     trainer = fk.Trainer(model, optimizer)
     trainer.step(_loss(model, device, 0))
     assert all(int(layer.forge_step) == 1 for layer in fk.fused_layers(model))
+
+
+def _step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def _trained(device, rule, seed, state_format="fp32"):
+    # The last Linear unfused: a load that goes ahead loads it whatever the fused layers refuse.
+    model = fk.fuse(_model(device, seed=seed), rule, state_format=state_format, exclude=("2",))
+    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1), scheduler=_step_lr)
+    trainer.step(_loss(model, device, seed))
+    return model, trainer
+
+
+def _training_state(model, trainer):
+    """Everything a load may change, copied: the model, the optimizer (its groups and
+    state), the scheduler and the rules' hyperparameters."""
+    return (copy.deepcopy(model.state_dict()), copy.deepcopy(trainer.optimizer.state_dict()),
+            copy.deepcopy(trainer.scheduler.state_dict()), [rule.hyperparameters() for rule in trainer.rules])
+
+
+def _assert_same_training_state(state, expected):
+    (model, optimizer, scheduler, rules), (model_0, optimizer_0, scheduler_0, rules_0) = state, expected
+    for name, value in model.items():
+        assert_bitwise_equal(value, model_0[name], name)
+    assert optimizer["param_groups"] == optimizer_0["param_groups"] and optimizer["state"].keys() == \
+        optimizer_0["state"].keys()
+    for index, slots in optimizer["state"].items():
+        for slot, value in slots.items():
+            assert_bitwise_equal(value, optimizer_0["state"][index][slot], f"optimizer state {index} {slot}")
+    assert scheduler == scheduler_0 and rules == rules_0
+
+
+# (the checkpoint's rule and state format, this trainer's, the refusal): a checkpoint of
+# another rule is refused by the Trainer (its fused group's hyperparameter names), one of
+# another state format by the fused layers' record, each before anything is loaded.
+REFUSED_CHECKPOINTS = {
+    "another-rule": ((lambda: fk.AdamW(lr=0.05, weight_decay=0.3), "fp32"),
+                     (lambda: fk.SGD(lr=0.1, momentum=0.9), "fp32"), ValueError,
+                     r"the checkpoint's fused group 0 holds the hyperparameters \['lr', 'betas', 'eps', "
+                     r"'weight_decay'\] of another rule: this trainer's SGD has \['lr', 'momentum', 'dampening', "
+                     r"'weight_decay', 'nesterov'\].*nothing was loaded"),
+    "another-state-format": ((lambda: fk.AdamW(lr=0.05), "fp32"), (lambda: fk.AdamW(lr=0.1), "bf16"), RuntimeError,
+                             r"\(nothing was loaded\):\n\tfused layer '0' .*expected bf16 state of AdamW, found fp32 "
+                             r"state of AdamW"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_CHECKPOINTS)
+def test_a_refused_checkpoint_changes_nothing(case, device):
+    """A checkpoint the trainer cannot take is refused by name before anything is loaded:
+    the model, the optimizer, the scheduler and the rules stay as they were, and training
+    goes on from there (a checkpoint of AdamW loaded into an SGD trainer gave a bare
+    KeyError 'betas', the SGD rule's lr changed, and every later step raised it again)."""
+    (make_saved, saved_format), (make_rule, state_format), error, message = REFUSED_CHECKPOINTS[case]
+    _, saved = _trained(device, make_saved(), seed=0, state_format=saved_format)
+    model, trainer = _trained(device, make_rule(), seed=1, state_format=state_format)
+    before = _training_state(model, trainer)
+    with pytest.raises(error, match=message):
+        trainer.load_state_dict(saved.state_dict())
+    _assert_same_training_state(_training_state(model, trainer), before)
+    trainer.step(_loss(model, device, 2))
+    assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
 
 
 def test_reduce_lr_on_plateau_is_refused_as_scheduler_and_works_stepped_by_hand(device):
