@@ -57,9 +57,14 @@ def test_block_t_finding(dtype, device, backend):
     assert differs == expected, (
         f"on {backend} with {dtype} activations BLOCK_T {'changed' if differs else 'did not change'} the "
         f"gradient's bits, but forge_verify.numerics.findings records {expected}: update the finding and the README")
-    # The same holds one level up: the fused update inherits the gradient's bits.
+    # One level up, the fused update inherits that gradient's bits: at each BLOCK_T it is the
+    # rule applied to that BLOCK_T's materialized gradient (the oracle), bit for bit. Whether
+    # the two weights then differ is the rule's business, not the finding's: AdamW's first
+    # step, about lr·sign(g), absorbed the gradients' few-ulp differences on these inputs.
     rule = fk.AdamW(lr=1e-3)
-    w16, _ = run_rule(inputs, rule, config=fk.TileConfig(block_t=16))
-    w64, _ = run_rule(inputs, rule, config=fk.TileConfig(block_t=64))
-    assert (not torch.equal(w16.view(torch.int32), w64.view(torch.int32))) == expected
+    for block_t in (16, 64):
+        config = fk.TileConfig(block_t=block_t)
+        fused, _ = run_rule(inputs, rule, config=config)
+        oracle, _ = run_rule(inputs, rule, oracle=True, config=config)
+        assert torch.equal(fused.view(torch.int32), oracle.view(torch.int32)), f"BLOCK_T {block_t}"
     observe(0)
