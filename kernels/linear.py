@@ -66,6 +66,27 @@ class _PendingUse:
 MIXED_STEPS = "a non-finite update left some tiles unstepped: weight and state at mixed steps"
 
 
+def _bad_counter_or_exponents(entries) -> str:
+    """What is wrong with the values of a checkpoint's step count and q8 block exponents
+    (``entries``: a layer's own entries by name), or "": a negative or fractional
+    ``forge_step``, exponents outside the q8 format's [MIN_EXPONENT, MAX_EXPONENT] (the
+    kernel would decode -127 as 0 and -128 as -inf, where the host decodes 2**-127·m)."""
+    problems = []
+    step = entries.get("forge_step")
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and (step.is_floating_point() or int(step) < 0):
+        problems.append(f"forge_step {step.item()} is not a step count (an integer >= 0)")
+    for name, tensor in sorted(entries.items()):
+        if name.endswith(q8.EXPONENT_SUFFIX) and isinstance(tensor, torch.Tensor) and tensor.numel():
+            if tensor.is_floating_point():
+                problems.append(f"{name} is {tensor.dtype}; q8 block exponents are int8")
+                continue
+            low, high = int(tensor.min()), int(tensor.max())
+            if low < q8.MIN_EXPONENT or high > q8.MAX_EXPONENT:
+                problems.append(f"{name} holds exponents in [{low}, {high}], outside the q8 format's "
+                                f"[{q8.MIN_EXPONENT}, {q8.MAX_EXPONENT}]")
+    return "; ".join(problems)
+
+
 class ForgeLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, use):
@@ -355,6 +376,11 @@ class ForgeLinear(nn.Linear):
             return (f"{where}: expected {expected[0]} state of {rule}, found {found[0]} state of {found_rule}{slots}; "
                     "refused, the layer is left as it was (load a checkpoint of its own state format and rule, or "
                     "fuse with the checkpoint's)")
+        bad_values = _bad_counter_or_exponents(own)
+        if bad_values:
+            # The per-step checks look at shapes and dtypes only (reading values would
+            # synchronize every step); a checkpoint is read once, here.
+            return f"{where}: {bad_values}; refused, the layer is left as it was"
         ours = _recorded_hyperparameters(self.rule)
         layer = f"model.get_submodule({prefix[:-1]!r})" if prefix else "layer"
         vouch = (f"checkpoint[{prefix + _EXTRA_STATE_KEY!r}] = {layer}.get_extra_state(). The learning rate is "

@@ -151,6 +151,28 @@ def test_checkpoint_resume_takes_the_identical_next_step(state_format, device):
         assert_bitwise_equal(a, b, f"after resume: {name}")
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("0.forge_state_exp_avg_exponent", -127, r"exponents in \[-127, .*outside the q8 format's \[-126, 126\]"),
+    ("0.forge_state_exp_avg_sq_exponent", 127, r"outside the q8 format's \[-126, 126\]"),
+    ("0.forge_step", -5, r"forge_step -5 is not a step count"),
+], ids=["exponent-127", "exponent127", "negative-step"])
+def test_checkpoint_values_outside_the_format_are_refused(key, value, message, device):
+    """The per-step checks see shapes and dtypes only; a checkpoint's values are checked
+    when it loads: a q8 exponent the format does not have (the kernel decodes -127 as 0,
+    where the host decodes 2**-127·m) or a negative step count is refused, naming it, and
+    the layer keeps its own."""
+    torch.manual_seed(0)
+    model = fk.fuse(nn.Sequential(nn.Linear(40, 64)).to(device), fk.AdamW(lr=1e-2), state_format="q8")
+    model(torch.randn(5, 40, device=device)).square().mean().backward()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    checkpoint = {name: tensor.clone() for name, tensor in before.items()}
+    checkpoint[key].view(-1)[0] = value
+    with pytest.raises(RuntimeError, match=message):
+        model.load_state_dict(checkpoint)
+    for name, tensor in model.state_dict().items():
+        assert_bitwise_equal(tensor, before[name], name)
+
+
 @triton.jit
 def _encode_tile_kernel(v_ptr, codes_ptr, exp_ptr, seed, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr,
                         ROWS: tl.constexpr):
