@@ -7,7 +7,6 @@ replaces each one with an ``nn.Linear`` computing the same function. Models buil
 ``nn.Linear`` (Llama, Mistral, ...) need nothing.
 """
 
-import torch
 from torch import nn
 
 
@@ -21,16 +20,36 @@ def conv1d_to_linear(model: nn.Module) -> nn.Module:
 
     The weight becomes a new, contiguous (out, in) Parameter holding the transposed
     values (so ``state_dict()`` keys stay, their weight shapes are transposed); the bias
-    Parameter is kept. Build optimizers after converting. Returns the model.
+    Parameter is kept. Sharing survives: a Conv1D reached from several parents becomes one
+    Linear, and Conv1Ds sharing a weight become Linears sharing its transpose (which
+    ``fuse`` then refuses as tied, as it would have refused the Conv1Ds). A Conv1D weight
+    that another kind of module also uses cannot be transposed for one user alone: it is
+    refused, naming both, before anything changes. Build optimizers after converting.
+    Returns the model.
     """
-    for name, module in list(model.named_modules()):
+    convs = {child for module in model.modules() for child in module.children() if is_conv1d(child)}
+    conv_weights = {id(conv.weight) for conv in convs}
+    for name, module in model.named_modules():
+        if module in convs:
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in conv_weights:
+                raise ValueError(f"{name or 'the model'}.{param_name} is also a transformers Conv1D's weight; "
+                                 "conv1d_to_linear would store it transposed for the Conv1D alone and untie the "
+                                 "two: nothing was converted")
+    linears, weights = {}, {}
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if not is_conv1d(child):
+            if child not in convs:
                 continue
-            weight = child.weight
-            linear = nn.Linear(child.nx, child.nf, bias=True, device=weight.device, dtype=weight.dtype)
-            with torch.no_grad():
-                linear.weight = nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
-            linear.bias = child.bias
-            setattr(module, child_name, linear)
+            if child not in linears:
+                weight = child.weight
+                linear = nn.Linear(child.nx, child.nf, bias=True, device=weight.device, dtype=weight.dtype)
+                if id(weight) not in weights:
+                    weights[id(weight)] = nn.Parameter(weight.detach().t().contiguous(),
+                                                       requires_grad=weight.requires_grad)
+                linear.weight = weights[id(weight)]
+                linear.bias = child.bias
+                linears[child] = linear
+            setattr(module, child_name, linears[child])
     return model

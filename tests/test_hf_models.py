@@ -89,6 +89,36 @@ def test_conv1d_to_linear_keeps_the_function(device):
             assert torch.all((linear(inputs) - conv(inputs)).abs() <= bound), name
 
 
+def test_conv1d_to_linear_keeps_sharing(device):
+    """A Conv1D reached from two parents becomes one Linear; two Conv1Ds sharing a weight
+    become Linears sharing its transpose (so fuse refuses them as tied, as it refuses the
+    Conv1Ds); a Conv1D weight another kind of module also uses is refused, nothing
+    converted. Converting each reference on its own had made independent copies."""
+    from transformers.pytorch_utils import Conv1D
+
+    shared = Conv1D(4, 6).to(device)
+    model = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)})
+    conv1d_to_linear(model)
+    assert model.a[0] is model.b[0] and isinstance(model.a[0], torch.nn.Linear)
+    assert len(list(model.parameters())) == 2
+
+    first, second = Conv1D(4, 4).to(device), Conv1D(4, 4).to(device)
+    second.weight = first.weight
+    tied = torch.nn.Sequential(first, second)
+    conv1d_to_linear(tied)
+    assert tied[0].weight is tied[1].weight and tied[0].bias is not tied[1].bias
+    with pytest.raises(ValueError, match="tied"):
+        fk.fuse(tied, fk.AdamW())
+
+    conv = Conv1D(4, 4).to(device)
+    other = torch.nn.Linear(4, 4, device=device)
+    other.weight = conv.weight
+    mixed = torch.nn.Sequential(conv, other)
+    with pytest.raises(ValueError, match=r"1\.weight is also a transformers Conv1D's weight.*nothing was converted"):
+        conv1d_to_linear(mixed)
+    assert type(mixed[0]).__name__ == "Conv1D" and mixed[1].weight is conv.weight
+
+
 def test_tied_head_is_refused_with_exclude_named(device):
     with pytest.raises(ValueError, match=r"is tied.*exclude=\['lm_head'\]"):
         fk.fuse(conv1d_to_linear(_gpt2(device)), fk.AdamW())
