@@ -25,7 +25,9 @@ given; a fused step per part would apply it to partial sums, which is not the st
 import torch
 import torch.distributed as dist
 
+from .errors import NonFiniteInputError
 from .ops.fused_weight_update import apply_rule, check_fused_parts, fused_weight_update
+from .ops.validation import check_update_inputs
 from .ops.weight_gradient import weight_gradient
 from .weight_slice import WeightSlice
 
@@ -93,8 +95,19 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
     ``reduce(grad, group, rows)`` (default: an fp32 all-reduce) returns the sum over the
     ranks of this rank's gradient ``grad`` of weight rows ``rows`` (a slice), in its shape
     and dtype; called once per bucket, in row order, on every rank of a group of more than
-    one."""
+    one.
+
+    Every part is checked before the first bucket is written (shapes, dtypes, devices,
+    and this rank's inputs for NaN and infinities: one synchronization), so a refusal of
+    this rank's input changes nothing. What only a bucket's own sum can show (an overflow,
+    or another rank's non-finite part) stops the step at that bucket: the rows before it
+    have stepped, and the error says which."""
     _check_parts(parts)
+    for x, dy in parts:
+        check_update_inputs(x, dy, weight, state, rule)
+    bad = [index for index, (x, dy) in enumerate(parts) if not bool(torch.isfinite(x).all() & torch.isfinite(dy).all())]
+    if bad:
+        raise NonFiniteInputError(f"parts {bad} hold NaN or infinite values in x or dy; nothing was updated")
     rows, cols = weight.shape
     bucket_rows = rows if bucket_rows is None else bucket_rows
     if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
@@ -112,6 +125,12 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
                 raise ValueError(f"reduce returned {tuple(reduced.shape)} {reduced.dtype} for a "
                                  f"{tuple(grad.shape)} {grad.dtype} gradient bucket")
             grad = reduced
-        apply_rule(grad, weight[start:stop], {key: tensor[start:stop] for key, tensor in state.items()}, rule, step,
-                   config=config, rounding=rounding, seed=seed,
-                   weight_slice=WeightSlice(place.row_start + start, place.col_start, place.global_shape))
+        try:
+            apply_rule(grad, weight[start:stop], {key: tensor[start:stop] for key, tensor in state.items()}, rule,
+                       step, config=config, rounding=rounding, seed=seed,
+                       weight_slice=WeightSlice(place.row_start + start, place.col_start, place.global_shape))
+        except FloatingPointError as error:
+            if start and error.args and isinstance(error.args[0], str):
+                error.args = (f"{error.args[0]} (in the bucket of rows {start}..{stop - 1}; rows 0..{start - 1} had "
+                              "stepped already: the weight and state are part-way through the step)",) + error.args[1:]
+            raise

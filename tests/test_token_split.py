@@ -55,3 +55,39 @@ def test_micro_batches_in_one_process_match_the_whole_batch_on_dyadic_data(devic
         split_step(parts, w, s, rule, 1)
         assert torch.equal(w.view(torch.int32), true_w.view(torch.int32)), split_step.__name__
         assert torch.equal(s["momentum_buffer"].view(torch.int32), true_s["momentum_buffer"].view(torch.int32))
+
+
+@pytest.mark.parametrize("damage", ["dy-columns", "nan-in-second-part"])
+def test_materialized_split_refuses_a_bad_part_before_any_bucket_is_written(damage, device):
+    """Every part is checked before the first bucket: a second part whose dy has the
+    wrong width, or holds a NaN, changes no row (each bucket had been checked in turn, so
+    the rows of the buckets before it had stepped, under "nothing was updated")."""
+    torch.manual_seed(0)
+    rule = fk.AdamW(lr=1e-2)
+    weight = torch.randn(5, 6, device=device)
+    state = rule.init_state(weight)
+    second = torch.randn(4, 4 if damage == "dy-columns" else 5, device=device)
+    if damage == "nan-in-second-part":
+        second[0, 4] = float("nan")
+    parts = [(torch.randn(4, 6, device=device), torch.randn(4, 5, device=device)),
+             (torch.randn(4, 6, device=device), second)]
+    before = [weight.clone(), *(tensor.clone() for tensor in state.values())]
+    error = ValueError if damage == "dy-columns" else fk.NonFiniteInputError
+    with pytest.raises(error, match="dy has 4 output features" if damage == "dy-columns" else r"parts \[1\]"):
+        materialized_split_step(parts, weight, state, rule, 1, bucket_rows=2)
+    for after, was in zip([weight, *state.values()], before):
+        assert torch.equal(after, was)
+
+
+def test_materialized_split_names_the_rows_stepped_before_an_overflowing_bucket(device):
+    """A bucket's own sum can overflow with finite inputs (or, across ranks, hold another
+    rank's non-finite part): the step stops there, and the error says the rows before it
+    had stepped."""
+    rule = fk.SGD(lr=1e-2)
+    weight = torch.zeros(5, 6, device=device)
+    x = torch.full((4, 6), 1e30, device=device)
+    dy = torch.ones(4, 5, device=device)
+    dy[:, 3] = 1e30  # rows 3 of dW = 4e60: inf in fp32
+    with pytest.raises(fk.NonFiniteInputError, match=r"rows 2\.\.3; rows 0\.\.1 had stepped already"):
+        materialized_split_step([(x, dy)], weight, rule.init_state(weight), rule, 1, bucket_rows=2)
+    assert torch.all(weight[:2] != 0) and torch.all(weight[2:] == 0)
