@@ -94,7 +94,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def _chunk(size, group):
     """This rank's [start, stop) of ``size`` split as torch.chunk splits it."""
-    return chunk_bounds(size, dist.get_world_size(group), dist.get_rank(group))
+    rank = dist.get_rank(group)
+    if rank < 0:  # torch's answer for a process outside the group; it would get an empty shard
+        raise ValueError("this process is not a member of the tensor-parallel group given: build the layer only on "
+                         "the group's ranks")
+    return chunk_bounds(size, dist.get_world_size(group), rank)
 
 
 def _local_linear(linear, rows, cols, bias):

@@ -65,3 +65,14 @@ def test_refused_with_a_way_out(job, message, rank_pool):
     for rank, error in enumerate(rank_pool(2).run(job)):
         assert error is not None, f"rank {rank}: no error raised"
         assert re.search(message, error, re.S), f"rank {rank}: {error}"
+
+
+def test_a_process_outside_the_group_is_refused(monkeypatch):
+    """torch answers -1 for the rank and world size of a process outside a group; the
+    shard bounds of that answer were an empty shard, built without a word."""
+    from forge_kernels import parallel_linear
+
+    monkeypatch.setattr(parallel_linear.dist, "get_rank", lambda group=None: -1)
+    monkeypatch.setattr(parallel_linear.dist, "get_world_size", lambda group=None: -1)
+    with pytest.raises(ValueError, match="not a member of the tensor-parallel group"):
+        parallel_linear.ColumnParallelForgeLinear(nn.Linear(6, 4), fk.SGD(), group=object())
