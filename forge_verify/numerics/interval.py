@@ -179,6 +179,10 @@ class Interval:
         # a lower end below zero is rounding slack and is clamped.
         return self._fp32_op(sqrt_rn(self.lo.clamp_min(0)), sqrt_rn(self.hi.clamp_min(0)))
 
+    def clamp_nonnegative(self):
+        """max(., 0): exact and monotone, so both ends clamp."""
+        return Interval(self.lo.clamp_min(0), self.hi.clamp_min(0))
+
     def sign(self):
         """Exact: every sign the values in the interval can have."""
         lo = torch.where(self.lo > 0, 1.0, torch.where(self.lo < 0, -1.0, 0.0)).to(_F64)

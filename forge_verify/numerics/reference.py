@@ -47,16 +47,8 @@ class _Point:
         return x.clamp_min(0)
 
 
-class _Enclosure:
-    name = "enclosure"
-
-    @staticmethod
-    def const(c):
-        return Interval.host_scalar(c)
-
-    @staticmethod
-    def value(t):
-        return Interval.exact(t.detach().cpu())
+class _ValueMethods:
+    """The operations an arithmetic's values carry themselves (``Interval``, ``Rounded``)."""
 
     @staticmethod
     def sqrt(x):
@@ -68,8 +60,19 @@ class _Enclosure:
 
     @staticmethod
     def clamp_nonnegative(x):
-        # max(., 0) is exact and monotone: clamp both ends.
-        return Interval(x.lo.clamp_min(0), x.hi.clamp_min(0))
+        return x.clamp_nonnegative()
+
+
+class _Enclosure(_ValueMethods):
+    name = "enclosure"
+
+    @staticmethod
+    def const(c):
+        return Interval.host_scalar(c)
+
+    @staticmethod
+    def value(t):
+        return Interval.exact(t.detach().cpu())
 
 
 #: a bound's own evaluation is at most six float64 operations on non-negative terms, within
@@ -126,7 +129,7 @@ class Rounded:
         return Rounded(self.value.clamp_min(0), self.error, self.unit)  # 1-Lipschitz, exact
 
 
-class _RunningError:
+class _RunningError(_ValueMethods):
     """Float64 values with running error bounds (:class:`Rounded`); each operation and each
     host scalar may be off by ``unit`` relatively: gamma_1(u64) for correctly rounded ones."""
 
@@ -143,18 +146,6 @@ class _RunningError:
         """An input known exactly."""
         t = t.detach().to(torch.float64)
         return Rounded(t, torch.zeros_like(t), self.unit)
-
-    @staticmethod
-    def sqrt(x):
-        return x.sqrt()
-
-    @staticmethod
-    def sign(x):
-        return x.sign()
-
-    @staticmethod
-    def clamp_nonnegative(x):
-        return x.clamp_nonnegative()
 
 
 def running_error(rounded_operations: int = 1) -> _RunningError:
