@@ -113,8 +113,8 @@ from .ops.gradient_norm import norm_from_square_sums
 from .ops.step_scalars import StepScalarsGroup
 from .training import (PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _layer_norm, check_clipping_mode,
                        check_max_norm, check_norm, check_unfused_optimizer, clip_coefficient, clip_scale,
-                       layer_square_sums, non_finite_norm_error, rng_rewinder, scale_unfused_gradients,
-                       set_aside_clipped_gradients, total_norm)
+                       layer_square_sums, non_finite_norm_error, refuse_stopped_layers, rng_rewinder,
+                       scale_unfused_gradients, set_aside_clipped_gradients, total_norm)
 
 CHECKS = ("every step", "manual")
 
@@ -210,10 +210,7 @@ class CapturedStep:
                                f"are on {sorted(map(str, devices))}")
         for layer in layers:
             layer.forge_check()
-        failed = [f"{layer.forge_name!r} ({layer._failed_reason})" for layer in layers if layer._failed_step is not None]
-        if failed:
-            raise RuntimeError(f"fused layers stopped: {'; '.join(failed)}. Restore a checkpoint or accept the partial "
-                               "step before capturing")
+        refuse_stopped_layers(layers, "Restore a checkpoint or accept the partial step before capturing")
         steps = {layer._counters()[0] for layer in layers}
         if len(steps) > 1:
             raise RuntimeError(f"the fused layers are at different steps {sorted(steps)}: a captured step advances "

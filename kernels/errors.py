@@ -31,3 +31,10 @@ class NonFiniteLossError(FloatingPointError):
 class NoStepWarning(RuntimeWarning):
     """A zeroth-order step found no direction (GRZO, normalize="std": every per-example
     difference equal) and left the weights as they were."""
+
+
+def reword(error: BaseException, before: str, after: str) -> None:
+    """Put where a deferred error came from into its message (``args[0]``, which is what
+    the non-finite errors print; their other attributes are kept)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (before + error.args[0] + after,) + error.args[1:]

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import q8
 from .config import TileConfig
-from .errors import NonFiniteUpdateError
+from .errors import NonFiniteUpdateError, reword
 from .hf import is_conv1d
 from .ops.fused_weight_update import ROUNDINGS, apply_rule, check_report, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
@@ -131,7 +131,7 @@ class ForgeLinearFunction(torch.autograd.Function):
             # non-finite errors are named in _apply_step already, with their step.
             named = f"fused layer {layer.forge_name!r}"
             if not (error.args and isinstance(error.args[0], str) and named in error.args[0]):
-                _reword(error, f"{named}, in its backward: ", "")
+                reword(error, f"{named}, in its backward: ", "")
             raise
         return dx, None, db, None, None
 
@@ -513,7 +513,7 @@ class ForgeLinear(nn.Linear):
         try:
             self.forge_check()
         except FloatingPointError as error:
-            _reword(error, "", " (a deferred step, checked at this layer's next backward, which took no step: "
+            reword(error, "", " (a deferred step, checked at this layer's next backward, which took no step: "
                                "call fk.check_updates(model) once per step to learn of it in its own step)")
             raise
         if self._failed_step is not None:
@@ -556,7 +556,7 @@ class ForgeLinear(nn.Linear):
         stop it; bad inputs wrote nothing) and name the layer and step in the error."""
         if isinstance(error, NonFiniteUpdateError):
             self.forge_stop(step, MIXED_STEPS)
-        _reword(error, f"fused layer {self.forge_name!r}, step {step}: ", "")
+        reword(error, f"fused layer {self.forge_name!r}, step {step}: ", "")
 
     def forge_check(self):
         """Check the layer's deferred step, if it has one (``report="defer"``); raise its
@@ -653,13 +653,6 @@ def _as_given(value):
     return tuple(_as_given(item) for item in value) if isinstance(value, list) else value
 
 
-def _reword(error: BaseException, before: str, after: str) -> None:
-    """Put where a deferred error came from into its message (``args[0]``, which is what
-    the non-finite errors print; their other attributes are kept)."""
-    if error.args and isinstance(error.args[0], str):
-        error.args = (before + error.args[0] + after,) + error.args[1:]
-
-
 def _shared_parameters(model: nn.Module) -> dict:
     """id(parameter) -> every name it is registered under."""
     names = {}
@@ -735,7 +728,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
                 linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
                 seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
         except (TypeError, ValueError) as error:
-            _reword(error, f"layer {qualified!r}: ", " (nothing was fused)")
+            reword(error, f"layer {qualified!r}: ", " (nothing was fused)")
             raise
     # Swapped in only once every layer is built: a refused layer leaves the model as it was.
     for (parent, child_name, _, _), layer in zip(targets, layers):

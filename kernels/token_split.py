@@ -25,7 +25,7 @@ given; a fused step per part would apply it to partial sums, which is not the st
 import torch
 import torch.distributed as dist
 
-from .errors import NonFiniteInputError
+from .errors import NonFiniteInputError, reword
 from .ops.fused_weight_update import apply_rule, check_fused_parts, fused_weight_update
 from .ops.validation import check_update_inputs
 from .ops.weight_gradient import weight_gradient
@@ -103,15 +103,16 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
     or another rank's non-finite part) stops the step at that bucket: the rows before it
     have stepped, and the error says which."""
     _check_parts(parts)
-    for x, dy in parts:
-        check_update_inputs(x, dy, weight, state, rule)
-    bad = [index for index, (x, dy) in enumerate(parts) if not bool(torch.isfinite(x).all() & torch.isfinite(dy).all())]
-    if bad:
-        raise NonFiniteInputError(f"parts {bad} hold NaN or infinite values in x or dy; nothing was updated")
     rows, cols = weight.shape
     bucket_rows = rows if bucket_rows is None else bucket_rows
     if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
         raise ValueError(f"bucket_rows must be a positive integer, got {bucket_rows!r}")
+    for x, dy in parts:
+        check_update_inputs(x, dy, weight, state, rule)
+    finite = torch.stack([torch.isfinite(x).all() & torch.isfinite(dy).all() for x, dy in parts]).tolist()
+    bad = [index for index, ok in enumerate(finite) if not ok]
+    if bad:
+        raise NonFiniteInputError(f"parts {bad} hold NaN or infinite values in x or dy; nothing was updated")
     place = weight_slice or WeightSlice.whole(weight.shape)
     for start in range(0, rows, bucket_rows):
         stop = min(rows, start + bucket_rows)
@@ -130,7 +131,7 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
                        step, config=config, rounding=rounding, seed=seed,
                        weight_slice=WeightSlice(place.row_start + start, place.col_start, place.global_shape))
         except FloatingPointError as error:
-            if start and error.args and isinstance(error.args[0], str):
-                error.args = (f"{error.args[0]} (in the bucket of rows {start}..{stop - 1}; rows 0..{start - 1} had "
-                              "stepped already: the weight and state are part-way through the step)",) + error.args[1:]
+            if start:
+                reword(error, "", f" (in the bucket of rows {start}..{stop - 1}; rows 0..{start - 1} had stepped "
+                                  "already: the weight and state are part-way through the step)")
             raise

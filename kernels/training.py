@@ -27,8 +27,8 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ._backend import on_device, quiet_non_finite
-from .errors import NonFiniteInputError
-from .linear import ForgeLinear, _reword, check_updates
+from .errors import NonFiniteInputError, reword
+from .linear import ForgeLinear, check_updates
 from .ops.finite_check import STATUS_WORDS, launch_finite_check
 from .ops.gradient_norm import empty_square_sums, norm_from_square_sums, weight_gradient_norm
 from .ops.weight_gradient import weight_gradient
@@ -367,7 +367,7 @@ def _check_repeated_pass(first, again):
 def _tell(error: BaseException, text: str) -> None:
     """Add ``text`` to ``error``'s message (or, where the message is not a string, as a note)."""
     if error.args and isinstance(error.args[0], str):
-        _reword(error, "", text)
+        reword(error, "", text)
     elif hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(text.strip())
 
@@ -460,6 +460,15 @@ class _MicroBatchSteps:
         for layer in partial:
             layer.forge_stop(self.steps_before[layer] + 1, PARTIAL_SUM)
         return partial
+
+
+def refuse_stopped_layers(layers, remedy: str) -> None:
+    """Raise naming every stopped layer of ``layers`` (``ForgeLinear.forge_stop``), its step
+    and why, then ``remedy``; nothing if none is stopped."""
+    stopped = [f"{layer.forge_name!r} at step {layer._failed_step} ({layer._failed_reason})"
+               for layer in layers if layer._failed_step is not None]
+    if stopped:
+        raise RuntimeError(f"fused layers stopped: {'; '.join(stopped)}. {remedy}")
 
 
 class Trainer:
@@ -722,12 +731,8 @@ class Trainer:
     def _refuse_stopped_layers(self):
         """A fused layer stopped by a failed step would raise in its own backward, after
         the layers before it in the backward had stepped: refuse the step before anything runs."""
-        stopped = [f"{layer.forge_name!r} at step {layer._failed_step} ({layer._failed_reason})"
-                   for layer in self.layers if layer._failed_step is not None]
-        if stopped:
-            raise RuntimeError(f"fused layers stopped: {'; '.join(stopped)}. Restore a checkpoint "
-                               "(trainer.load_state_dict), or call forge_accept_partial_step() on each to go on from "
-                               "here; nothing was stepped")
+        refuse_stopped_layers(self.layers, "Restore a checkpoint (trainer.load_state_dict), or call "
+                                           "forge_accept_partial_step() on each to go on from here; nothing was stepped")
 
     def _name_layers_stepped(self, error, steps_before):
         """Say in ``error`` which fused layers stepped in this step before it: their steps
