@@ -173,12 +173,11 @@ def diff(old_section: dict, new_section: dict) -> list:
         stats = [_stat_change(name, old["statistics"][name], value)
                  for name, value in sorted(new["statistics"].items())
                  if old["statistics"].get(name) != value and name in old["statistics"]]
-        inputs = _inputs_change(old, new)
-        if changed or stats or old["case"] != new["case"] or inputs:
+        case, inputs = _case_change(old, new), _inputs_change(old, new)
+        if changed or stats or case or inputs:
             lines.append(f"~ {key}: bits of {', '.join(changed) or 'nothing'} changed"
                          + (f"; {'; '.join(stats)}" if stats else "")
-                         + (f"; case definition changed ({_case_change(old, new)})" if old["case"] != new["case"]
-                            else "")
+                         + (f"; case definition changed ({case})" if case else "")
                          + (f"; {inputs}" if inputs else ""))
     if old_section.get("provenance") != new_section["provenance"]:
         lines.append(f"~ provenance {old_section.get('provenance')} -> {new_section['provenance']}")

@@ -57,11 +57,6 @@ def inputs_fingerprint(inputs) -> str:
     return digest.hexdigest()
 
 
-def case_inputs_fingerprint(case) -> str:
-    """The fingerprint of the inputs ``case`` draws (on the CPU, as on every backend)."""
-    return inputs_fingerprint(make_inputs(case.problem, torch.device("cpu"), case.regime))
-
-
 def _enclosure_statistics(enclosures: dict, values: dict) -> dict:
     outside, use = 0, 0.0
     for name, enclosure in enclosures.items():

@@ -33,7 +33,8 @@ def _up(t):
 
 def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
     """The correctly rounded float64 square root, elementwise. torch's CPU float64 sqrt is
-    not correctly rounded on every build (torch 2.13.0+cpu: sqrt(51) is one ulp high);
+    not correctly rounded on every build (torch 2.13.0+cpu: sqrt(51) is one ulp low, within one ulp
+    everywhere ``tests/test_interval.py`` looks);
     numpy's is (IEEE 754 requires it, and its square-root instructions are)."""
     return torch.from_numpy(np.asarray(np.sqrt(t.detach().cpu().to(_F64).numpy()))).to(t.device)
 

@@ -82,7 +82,7 @@ def _norm_kernel(sums_ptr, norm_ptr, count, BLOCK: tl.constexpr):
     picked exactly; in index order under the interpreter, a tree when compiled), the
     blocks' sums added one after another. The root is taken here, where it is correctly
     rounded on every backend (numpy's under the interpreter, ``sqrt.rn.f64`` compiled);
-    torch's float64 ``sqrt`` on the CPU is not (torch 2.13.0+cpu: √51 one ulp high)."""
+    torch's float64 ``sqrt`` on the CPU is not (``forge_verify.numerics.interval.sqrt_rn``)."""
     offs = tl.arange(0, BLOCK)
     last = offs == BLOCK - 1
     total = tl.full((), 0.0, tl.float64)
