@@ -1,7 +1,8 @@
 """Where a collective's tensors must live: NCCL reduces CUDA tensors on the current device
 only, gloo host tensors (and CUDA ones for some collectives, which the code here does not
 rely on). Every small bookkeeping tensor that goes into a collective (counts, flags,
-ranks, scales) is made there."""
+ranks, scales) is made there. ``place_weighted_bits`` is what ranks compare of their
+weights."""
 
 import torch
 import torch.distributed as dist
@@ -11,3 +12,25 @@ def wire_device(group=None) -> torch.device:
     """The GPU for NCCL, the CPU for gloo (``group`` None: the default group)."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
+
+
+_INTEGERS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def place_weighted_bits(tensor: torch.Tensor, block_elements: int = 1 << 22) -> int:
+    """Σ_k bits_k · (2k + 1) over the tensor's row-major index k, modulo 2**64 (so the
+    order of the sum does not matter): equal bits in equal places give equal sums, and a
+    permutation of unequal elements changes it. Taken in blocks of about
+    ``block_elements`` along dim 0 (no tensor-sized temporary, nothing copied to the host
+    but the sum): for ranks to compare their weights."""
+    data = tensor.detach()
+    data = data.reshape(-1) if data.dim() < 2 else data
+    row = data.numel() // max(1, data.shape[0])
+    per_block = max(1, block_elements // max(1, row))
+    total = 0
+    for start in range(0, data.shape[0], per_block):
+        bits = data[start:start + per_block].reshape(-1).view(_INTEGERS[data.element_size()]).to(torch.int64)
+        place = torch.arange(start * row, start * row + bits.numel(), device=bits.device, dtype=torch.int64)
+        total += int((bits * (2 * place + 1)).sum())
+    return total & (2**64 - 1)
+

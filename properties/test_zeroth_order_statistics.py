@@ -33,10 +33,10 @@ import forge_kernels as fk
 from forge_verify.checks.observations import RADIUS, observe
 from forge_verify.checks.zeroth_order import (flatten, fourth_moment_factor, grzo_estimates_over_calls,
                                               grzo_projections_over_calls, grzo_trace_variance,
-                                              median_of_means, median_of_means_groups, median_of_means_radius,
                                               mezo_estimates_over_calls, mezo_squared_norm_variance,
                                               mezo_trace_variance, quadratic_problem)
-from forge_verify.numerics.stats import chebyshev_radius
+from forge_verify.numerics.stats import (chebyshev_radius, median_of_means, median_of_means_groups,
+                                        median_of_means_radius)
 
 FALSE_ALARM = 1e-3
 CALLS = {"GRZO": 160_000, "MeZO": 200_000}

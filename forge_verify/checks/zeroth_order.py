@@ -110,7 +110,7 @@ def mezo_squared_norm_variance(mean_grad: torch.Tensor) -> float:
     """Var ‖ĝ‖² of MeZO's estimate, exactly: E‖ĝ‖⁴ - (E‖ĝ‖²)² = (K_d - (d + 2)²)‖ḡ‖⁴
     = (2d² + 26d + 68)‖ḡ‖⁴ (proofs/zeroth_order.md, "Monte Carlo radii")."""
     d = mean_grad.numel()
-    return float((2 * d * d + 26 * d + 68) * (mean_grad ** 2).sum() ** 2)
+    return float((fourth_moment_factor(d) - (d + 2) ** 2) * (mean_grad ** 2).sum() ** 2)
 
 
 def mezo_squared_norm(z: torch.Tensor, mean_grad: torch.Tensor) -> float:
@@ -244,40 +244,6 @@ def enumeration_bounds(problem: QuadraticProblem, bases: dict, opt) -> tuple:
     scale = float((u ** 2).sum() * grads.norm(dim=1).max())
     margin = 1 + 2 * _u64_gamma(batch * d + 64)  # the bounds' own float64 evaluation
     return mean_bound / scale * margin, second_bound / scale ** 2 * margin
-
-
-# --- median of means ----------------------------------------------------------------
-
-#: the median-of-means radius in standard errors of one group's mean: each group mean
-#: is that far off with probability at most 1/MOM_SPREAD² (Chebyshev)
-MOM_SPREAD = 2.5
-
-
-def median_of_means_groups(false_alarm: float) -> int:
-    """The fewest groups k (odd) whose median of means is more than MOM_SPREAD standard
-    errors of a group's mean off with probability at most ``false_alarm``: that needs
-    (k + 1)/2 groups off, each independently with probability at most p = 1/MOM_SPREAD²,
-    so the chance is at most P(Binomial(k, p) ≥ (k + 1)/2) (exact, scipy;
-    proofs/zeroth_order.md, "Monte Carlo radii"). 15 at 1e-3."""
-    from scipy.stats import binom
-    groups = 1
-    while binom.sf(groups // 2, groups, 1 / MOM_SPREAD**2) > false_alarm:
-        groups += 2
-    return groups
-
-
-def median_of_means(values: torch.Tensor, groups: int) -> float:
-    """The median of the means of ``groups`` consecutive equal groups of ``values`` (the
-    last len(values) mod groups values are left out)."""
-    size = len(values) // groups
-    return float(values[:size * groups].reshape(groups, size).mean(1).median())
-
-
-def median_of_means_radius(variance: float, samples: int, groups: int) -> float:
-    """MOM_SPREAD standard errors of one group's mean, for values of variance at most
-    ``variance``: the median of means is within it of their mean but with probability at
-    most the false alarm ``median_of_means_groups`` was given."""
-    return MOM_SPREAD * (variance / (samples // groups)) ** 0.5
 
 
 # --- injected draws -----------------------------------------------------------------

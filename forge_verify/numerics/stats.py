@@ -3,7 +3,7 @@ and the exact tests used where the statistic's distribution is known exactly."""
 
 import math
 
-from scipy.stats import binomtest
+from scipy.stats import binom, binomtest
 
 
 def hoeffding_radius(samples: int, false_alarm: float) -> float:
@@ -126,3 +126,34 @@ def sign_product_radius(samples: int, false_alarm: float = SIGN_FALSE_ALARM) -> 
     sqrt(2 ln(2/α)/n) = 5.4/√n. For reports, which plot |mean| against it."""
     _, hi = binomial_acceptance(samples, 0.5, false_alarm)
     return (2 * hi - samples) / samples
+
+
+#: the median-of-means radius in standard errors of one group's mean: each group mean
+#: is that far off with probability at most 1/MOM_SPREAD² (Chebyshev)
+MOM_SPREAD = 2.5
+
+
+def median_of_means_groups(false_alarm: float) -> int:
+    """The fewest groups k (odd) whose median of means is more than MOM_SPREAD standard
+    errors of a group's mean off with probability at most ``false_alarm``: that needs
+    (k + 1)/2 groups off, each independently with probability at most p = 1/MOM_SPREAD²,
+    so the chance is at most P(Binomial(k, p) ≥ (k + 1)/2) (exact, scipy;
+    proofs/zeroth_order.md, "Monte Carlo radii"). 15 at 1e-3."""
+    groups = 1
+    while binom.sf(groups // 2, groups, 1 / MOM_SPREAD**2) > false_alarm:
+        groups += 2
+    return groups
+
+
+def median_of_means(values: "torch.Tensor", groups: int) -> float:
+    """The median of the means of ``groups`` consecutive equal groups of ``values`` (the
+    last len(values) mod groups values are left out)."""
+    size = len(values) // groups
+    return float(values[:size * groups].reshape(groups, size).mean(1).median())
+
+
+def median_of_means_radius(variance: float, samples: int, groups: int) -> float:
+    """MOM_SPREAD standard errors of one group's mean, for values of variance at most
+    ``variance``: the median of means is within it of their mean but with probability at
+    most the false alarm ``median_of_means_groups`` was given."""
+    return chebyshev_radius(variance, samples // groups, 1 / MOM_SPREAD**2)

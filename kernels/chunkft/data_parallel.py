@@ -15,10 +15,11 @@ sums, and it reduces the Embedding, norm and bias slices' gradients too.
 """
 
 import contextlib
-import hashlib
 
 import torch
 import torch.distributed as dist
+
+from .._collectives import place_weighted_bits
 
 
 def check_group(group):
@@ -76,10 +77,10 @@ def check_same_on_every_rank(description: dict, group) -> None:
 
 
 def _digest(tensor) -> str:
-    """The tensor's dtype, shape and the SHA-256 of its bytes in order: equal only for
-    the same bits in the same places (a sum of bit patterns would pass a permutation)."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    return f"{tensor.dtype}{tuple(tensor.shape)}:{hashlib.sha256(data).hexdigest()}"
+    """The tensor's dtype, shape and place-weighted bit sum: equal for the same bits in
+    the same places (a plain sum of bit patterns would pass a permutation), read without
+    copying the tensor to the host."""
+    return f"{tensor.dtype}{tuple(tensor.shape)}:{place_weighted_bits(tensor)}"
 
 
 def check_same_weights(named_params: dict, group) -> None:

@@ -27,13 +27,9 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .._collectives import wire_device
+from .._collectives import place_weighted_bits, wire_device
 from ..ops.stochastic_round import _splitmix64
 from .draws import name_hash
-
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
-_MASK64 = 2**64 - 1
-
 
 class RankRefusedError(RuntimeError):
     """Another rank of the data-parallel group refused the step; nothing was written."""
@@ -57,22 +53,11 @@ def _as_int64(value) -> int:
 
 def weights_digest(params, block_elements: int) -> int:
     """A digest (below 2**63) of the parameters' bits in which each element's place
-    counts, so permuted weights differ: per parameter Σ_k bits_k · (2k + 1) over its
-    row-major index k, in int64 (wrapping modulo 2**64, so the order of the sum does not
-    matter), taken in blocks of about ``block_elements`` along dim 0 (no weight-sized
-    temporary); the parameters' sums chained through SplitMix64 in order."""
+    counts, so permuted weights differ: each parameter's ``place_weighted_bits`` (in
+    blocks of about ``block_elements``), chained through SplitMix64 in order."""
     digest = 0
     for param in params:
-        data = param.detach()
-        data = data.reshape(-1) if data.dim() < 2 else data
-        row = data.numel() // max(1, data.shape[0])
-        per_block = max(1, block_elements // max(1, row))
-        total = 0
-        for start in range(0, data.shape[0], per_block):
-            bits = data[start:start + per_block].reshape(-1).view(_BITS[data.dtype]).to(torch.int64)
-            place = torch.arange(start * row, start * row + bits.numel(), device=bits.device, dtype=torch.int64)
-            total += int((bits * (2 * place + 1)).sum())
-        digest = _splitmix64(digest ^ (total & _MASK64))
+        digest = _splitmix64(digest ^ place_weighted_bits(param, block_elements))
     return digest >> 1
 
 
@@ -120,7 +105,9 @@ def agreed(opt, local, batch_of):
     ``opt.group`` shares: the agreement on its batch (``batch_of`` its result), seed,
     counter and ``opt.HYPERPARAMETERS`` from ``opt.param_groups[0]`` and, where
     ``opt.digest_weights``, on the weights (digested before ``local`` moves any)."""
-    settings = {name: opt.param_groups[0][name] for name in opt.HYPERPARAMETERS}
+    # .get: a missing key is local()'s refusal to make, shared with every rank (a KeyError
+    # here would leave the other ranks waiting in the agreement); a refusal sends no values.
+    settings = {name: opt.param_groups[0].get(name) for name in opt.HYPERPARAMETERS}
     try:
         params = opt.param_groups[0]["params"]
         digest = weights_digest(params, opt.block_elements) if opt.digest_weights else -1
