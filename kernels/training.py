@@ -680,7 +680,9 @@ class Trainer:
                                      f"{done}")
                 adopted[name] = theirs = mine
             values[name] = theirs
-        _check_rule_takes(rule, values, previous={**own, **synced}, done=done)
+        if any(value != _as_rule_value(own[name]) for name, value in values.items()):
+            # Values the rule already holds need no trial (most steps: nothing moved).
+            _check_rule_takes(rule, values, previous={**own, **synced}, done=done)
         moved = [name for name in _SCHEDULED_MOMENTA if name in synced and name not in held
                  and _as_rule_value(group[name]) != synced[name]]
         if moved:
