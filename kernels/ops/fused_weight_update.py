@@ -21,8 +21,8 @@ from .q8_codec import Q8_BLOCK, Q8_LARGEST_EXPONENT_VALUE, q8_decode, q8_encode
 from .finite_check import BAD_TILES, STATUS_WORDS, is_finite, launch_finite_check
 from .gradient_norm import _square_sum, check_square_sums, launch_square_sums
 from .hopper_support import check_hopper_launch, check_tma_operands
-from .stochastic_round import (check_seed, paired_words, rn_bf16_cast, rn_bf16_is_finite, sr_bf16_with,
-                               stream_seed)
+from .stochastic_round import (bf16_from_high_half, check_seed, paired_words, rn_bf16_cast, rn_bf16_is_finite,
+                               sr_bf16_bits, stream_seed)
 from .step_scalars import StepScalars
 from .update_report import UpdateReport
 from ..weight_slice import WeightSlice
@@ -36,26 +36,30 @@ _BAD_TILES = tl.constexpr(BAD_TILES)
 @triton.jit
 def _to_storage(v, word, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """The value to store for fp32 ``v``: itself, or bf16 by stochastic (with the random
-    ``word``) or nearest rounding. Nearest rounding may give a NaN another payload than
-    ``rn_bf16`` (``rn_bf16_cast``): no tile holding a NaN is stored."""
+    ``word``) or nearest rounding. The bf16 forms may give a non-finite ``v`` another
+    result than ``sr_bf16_with`` and ``rn_bf16`` (no NaN quieting; the hardware's NaN): no
+    tile whose ``v`` is not finite is stored (``_storable``)."""
     out = v
     if TO_BF16:
         if STOCHASTIC:
-            out = sr_bf16_with(v, word)
+            out = bf16_from_high_half(sr_bf16_bits(v, word))
         else:
             out = rn_bf16_cast(v)
     return out
 
 
 @triton.jit
-def _storable(v, stored, Q8: tl.constexpr, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Whether ``stored``, the value ``_to_storage`` made of fp32 ``v`` (or ``v`` itself for
-    a q8 slot), may be stored: finite and, for q8, below the largest block exponent's range
-    (126: a larger value would be clamped, not stored). Rounded to nearest to bf16, read
-    from ``v`` in one comparison (``rn_bf16_is_finite``), not from ``stored`` widened back."""
+def _storable(v, stored, word, Q8: tl.constexpr, TO_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Whether ``stored``, the value ``_to_storage`` made of fp32 ``v`` with ``word`` (or
+    ``v`` itself for a q8 slot), may be stored: finite and, for q8, below the largest block
+    exponent's range (126: a larger value would be clamped, not stored). For bf16, read
+    from ``v`` (``rn_bf16_is_finite``; stochastically, ``v`` finite and its rounded
+    exponent not all ones) rather than from ``stored`` widened back."""
     tl.static_assert(not (Q8 and TO_BF16), "a q8 slot is coded from fp32, not rounded to bf16")
     if TO_BF16 and not STOCHASTIC:
         ok = rn_bf16_is_finite(v)
+    elif TO_BF16:
+        ok = is_finite(v) & ((sr_bf16_bits(v, word) & 0x7F800000) != 0x7F800000)
     else:
         wide = stored.to(tl.float32)
         ok = is_finite(wide)
@@ -156,7 +160,7 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
     elif STOCHASTIC and (W_BF16 or S_BF16):
         r0, r1, r2, r3 = paired_words(seed, offs_n + row0, col0 + k0, global_k, BLOCK_N, BLOCK_K, ALIGNED_PAIRS)
     w_new = _to_storage(w, r0, W_BF16, STOCHASTIC)
-    finite = is_finite(g) & _storable(w, w_new, False, W_BF16, STOCHASTIC)
+    finite = is_finite(g) & _storable(w, w_new, r0, False, W_BF16, STOCHASTIC)
     s0_new = s0
     s1_new = s1
     s2_new = s2
@@ -164,9 +168,9 @@ def _rule_epilogue(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, e2_ptr, fla
         s0_new = _to_storage(s0, r1, S_BF16, STOCHASTIC)
         s1_new = _to_storage(s1, r2, S_BF16, STOCHASTIC)
         s2_new = _to_storage(s2, r3, S_BF16, STOCHASTIC)
-    finite = finite & _storable(s0, s0_new, S_Q8, S_BF16, STOCHASTIC)
-    finite = finite & _storable(s1, s1_new, S_Q8, S_BF16, STOCHASTIC)
-    finite = finite & _storable(s2, s2_new, S_Q8, S_BF16, STOCHASTIC)
+    finite = finite & _storable(s0, s0_new, r1, S_Q8, S_BF16, STOCHASTIC)
+    finite = finite & _storable(s1, s1_new, r2, S_Q8, S_BF16, STOCHASTIC)
+    finite = finite & _storable(s2, s2_new, r3, S_Q8, S_BF16, STOCHASTIC)
     num_bad = tl.sum(tl.sum(tl.where(mask & ~finite, 1, 0), axis=1), axis=0)
     tile_ok = ((num_bad == 0) & inputs_ok).to(tl.int32)
     # Broadcast the tile's verdict explicitly: the interpreter rejects a scalar-bool mask term.

@@ -182,9 +182,9 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
     s0_new = _to_storage(s0, r1, S_BF16, STOCHASTIC)
     s1_new = _to_storage(s1, r2, S_BF16, STOCHASTIC)
     s2_new = _to_storage(s2, r3, S_BF16, STOCHASTIC)
-    finite = (is_finite(g) & _storable(w, w_new, False, W_BF16, STOCHASTIC)
-              & _storable(s0, s0_new, False, S_BF16, STOCHASTIC) & _storable(s1, s1_new, False, S_BF16, STOCHASTIC)
-              & _storable(s2, s2_new, False, S_BF16, STOCHASTIC))
+    finite = (is_finite(g) & _storable(w, w_new, r0, False, W_BF16, STOCHASTIC)
+              & _storable(s0, s0_new, r1, False, S_BF16, STOCHASTIC) & _storable(s1, s1_new, r2, False, S_BF16, STOCHASTIC)
+              & _storable(s2, s2_new, r3, False, S_BF16, STOCHASTIC))
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
     cols = off_k + gl.arange(0, SUB, layout=gl.SliceLayout(0, epi))
     inside = (rows < N)[:, None] & (cols < K)[None, :]

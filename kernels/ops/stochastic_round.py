@@ -40,15 +40,20 @@ def sr_bf16(x, seed, counter):
 def sr_bf16_with(x, word):
     """fp32 tile -> bf16 tile, rounded stochastically with the low 16 bits of the random
     uint32 ``word`` drawn for each element."""
-    noise = word & 0xFFFF
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + noise) & 0xFFFF0000
-    quiet_nan = (bits & 0x80000000) | 0x7FC00000
-    return _high_half_bf16(tl.where(x != x, quiet_nan, rounded))
+    quiet_nan = (x.to(tl.uint32, bitcast=True) & 0x80000000) | 0x7FC00000
+    return bf16_from_high_half(tl.where(x != x, quiet_nan, sr_bf16_bits(x, word)))
 
 
 @triton.jit
-def _high_half_bf16(bits):
+def sr_bf16_bits(x, word):
+    """``sr_bf16_with(x, word)``'s bf16 in the high half of a uint32 (low half zero), for
+    ``x`` not NaN; a NaN's result may be any pattern (it is not quieted: a caller that
+    stores no tile holding a non-finite input needs no quieting)."""
+    return (x.to(tl.uint32, bitcast=True) + (word & 0xFFFF)) & 0xFFFF0000
+
+
+@triton.jit
+def bf16_from_high_half(bits):
     """The bf16 in the high half of each uint32 of ``bits``."""
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
@@ -98,7 +103,7 @@ def rn_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     quiet_nan = (bits & 0x80000000) | 0x7FC00000
-    return _high_half_bf16(tl.where(x != x, quiet_nan, rounded))
+    return bf16_from_high_half(tl.where(x != x, quiet_nan, rounded))
 
 
 @triton.jit
