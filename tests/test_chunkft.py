@@ -474,22 +474,22 @@ def test_a_slice_whose_module_did_not_run_keeps_its_step_count(device):
     assert int(ulp_distance(model.b.weight.detach(), plain.b.weight.detach()).abs().max()) < 64
 
 
-def test_slice_step_counts_resume_from_a_checkpoint_and_older_checkpoints_are_refused():
+def test_slice_step_counts_resume_from_a_checkpoint_and_older_checkpoints_are_refused(device):
     """A checkpoint holds each slice's step count: resumed after a step that skipped ``b``,
     the run continues bit for bit. A checkpoint without them (saved when the counts were
     per chunk, which cannot say what a step skipped) is refused by name."""
     torch.manual_seed(0)
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4).to(device)
     runs = []
     for resume in (False, True):
         torch.manual_seed(1)
-        model = _Branch()
+        model = _Branch().to(device)
         ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), chunks=1)
         for t, use_b in enumerate((False, True, True)):
             if resume and t == 1:
                 saved = ctl.state_dict()
                 weights = model.state_dict()
-                model = _Branch()
+                model = _Branch().to(device)
                 model.load_state_dict(weights)
                 ctl = fk.ChunkFT(model, fk.AdamW(lr=1e-2), chunks=1)
                 ctl.load_state_dict(saved)
@@ -501,13 +501,13 @@ def test_slice_step_counts_resume_from_a_checkpoint_and_older_checkpoints_are_re
         ctl.load_state_dict(saved)
 
 
-def test_clipping_finds_no_gradient_and_accumulating_micro_batches_is_refused():
+def test_clipping_finds_no_gradient_and_accumulating_micro_batches_is_refused(device):
     """What README's ChunkFT section says of the two unsupported practices: after a step no
     parameter has a .grad, so clip_grad_norm_ returns 0 and clips nothing; a micro-batch's
     backward outside step() (how accumulation starts) is refused by name."""
-    model = nn.Sequential(nn.Linear(4, 4))
+    model = nn.Sequential(nn.Linear(4, 4)).to(device)
     ctl = fk.ChunkFT(model, fk.SGD(lr=0.1), chunks=1)
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4).to(device)
     ctl.step(lambda: model(x).square().sum())
     assert all(p.grad is None for p in model.parameters())
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0

@@ -181,7 +181,7 @@ def test_changed_inputs_are_reported_as_such_not_as_a_kernel_change(sgd_case, tm
     out = capsys.readouterr().out
     assert f"FAIL: {WHERE} (float32 activations, 3 steps, seed 3): its inputs changed (sha256 " in out
     assert "so its bits and statistics cannot be compared with this run's (not a kernel change); review and " \
-           "record the baseline again with `forge-verify gate --update`" in out
+           f"record the baseline again with {gate.UPDATE_COMMAND[gate.current_backend()]}" in out
     assert "inputs changed" in out and "bits changed" not in out
 
     monkeypatch.undo()

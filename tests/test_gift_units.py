@@ -342,8 +342,10 @@ def test_a_recorded_covariance_gives_factors_on_its_device(monkeypatch):
 @pytest.fixture
 def group_made_without_a_backend_name(tmp_path):
     """This process as the one rank of a group made as ``init_process_group()`` makes it,
-    without a backend name: ``get_backend`` reports "undefined" there (torch 2.13), though
-    gloo reduces its CPU tensors."""
+    without a backend name: ``get_backend`` reports "undefined" there. Which backends it
+    has depends on the machine: torch gives such a group its accelerator's backend alone
+    (``get_backend_config()`` is "cuda:nccl" on the H200 machine, torch 2.11) or, without
+    an accelerator, gloo ("cpu:gloo", torch 2.13 on the CPU machines)."""
     torch.distributed.init_process_group(store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
                                          rank=0, world_size=1)
     try:
@@ -352,12 +354,29 @@ def group_made_without_a_backend_name(tmp_path):
         torch.distributed.destroy_process_group()
 
 
+def _reduces_cpu_tensors() -> bool:
+    """Whether the default group all-reduces a CPU tensor at all (asked of torch, not of the
+    group's backend names)."""
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_overlap_follows_the_backend_serving_the_gradients_device(group_made_without_a_backend_name):
     """The default reduced inline and ``overlap=True`` was refused ("not undefined") in a
-    group made without a backend name, though gloo reduces its CPU gradients: the choice
-    goes by the backend serving the gradients' device, not the group's one name. The meta
-    device stands in for a device the group does not serve by gloo."""
+    group made without a backend name, though gloo reduces its CPU gradients there on a
+    machine without an accelerator: the choice goes by the backend serving the gradients'
+    device, not the group's one name. Where the group cannot reduce CPU tensors at all (a
+    CUDA machine: NCCL alone), the default reduces inline and ``overlap=True`` is refused.
+    The meta device stands in for a device the group does not serve by gloo."""
     default = fk.gift.GiftState(None, "e4m3", layers=())
-    assert default.overlapping(torch.device("cpu"))
-    assert fk.gift.GiftState(None, "e4m3", layers=(), overlap=True).overlapping(torch.device("cpu"))
+    if _reduces_cpu_tensors():
+        assert default.overlapping(torch.device("cpu"))
+        assert fk.gift.GiftState(None, "e4m3", layers=(), overlap=True).overlapping(torch.device("cpu"))
+    else:
+        assert not default.overlapping(torch.device("cpu"))
+        with pytest.raises(ValueError, match="overlap=True reduces on a thread"):
+            fk.gift.GiftState(None, "e4m3", layers=(), overlap=True).overlapping(torch.device("cpu"))
     assert not fk.gift.GiftState(None, "e4m3", layers=()).overlapping(torch.device("meta"))
