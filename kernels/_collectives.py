@@ -2,7 +2,9 @@
 only, gloo host tensors (and CUDA ones for some collectives, which the code here does not
 rely on). Every small bookkeeping tensor that goes into a collective (counts, flags,
 ranks, scales) is made there. ``place_weighted_bits`` is what ranks compare of their
-weights."""
+weights; ``refused_together`` makes a refusal on one rank a refusal on every rank."""
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -34,3 +36,35 @@ def place_weighted_bits(tensor: torch.Tensor, block_elements: int = 1 << 22) -> 
         total += int((bits * (2 * place + 1)).sum())
     return total & (2**64 - 1)
 
+
+
+def gathered(value, group) -> list:
+    """Every rank's picklable ``value``, in rank order."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+@contextlib.contextmanager
+def refused_together(group, what: str):
+    """Run a rank's local work (checks, or steps into scratch copies) so that a refusal on
+    any rank is one on every rank: each rank tells the others whether its block passed
+    before any goes on (a rank that raised alone would leave the others waiting in the next
+    collective until it times out). The rank that failed raises its own error; the others
+    a ValueError naming ``what``, the ranks and the first error. Nothing is gathered
+    without a group."""
+    if group is None:
+        yield
+        return
+    failure = None
+    try:
+        yield
+    except Exception as error:  # whatever stopped this rank must stop the others too
+        failure = error
+    verdicts = gathered(None if failure is None else f"{type(failure).__name__}: {failure}", group)
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, verdict in enumerate(verdicts) if verdict is not None]
+    if failed:
+        raise ValueError(f"{what} was refused on ranks {failed} of the process group ({verdicts[failed[0]]}); "
+                         "refused here too")

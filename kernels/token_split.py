@@ -7,10 +7,11 @@ given; a fused step per part would apply it to partial sums, which is not the st
 
 * ``linear_split_step``, for rules that are linear in (weight, state, gradient)
   together (``rule.linear``: SGD with or without momentum): a step on a sum of
-  gradients is the sum of steps, so the first part steps (weight, state) and every
-  other part steps a zero copy, and the results are added (and all-reduced across
-  ranks). No gradient is materialized; each part costs one zero copy of the weight
-  and its state, and the all-reduce moves weight and state. Exact in real arithmetic;
+  gradients is the sum of steps, so the first part steps (a copy of) (weight, state)
+  and every other part steps a zero copy, and the results are added (and all-reduced
+  across ranks), then written back. No gradient is materialized; the sum and the later
+  parts' steps cost a copy of the weight and its state each, and the all-reduce moves
+  weight and state. Exact in real arithmetic;
   in fp32 it differs from the one-kernel step only by the rounding of the
   reassociated sums. fp32 weight and state only (a bf16 sum would round again).
 * ``materialized_split_step``, for any rule: the fp32 gradient of one bucket of rows
@@ -25,6 +26,7 @@ given; a fused step per part would apply it to partial sums, which is not the st
 import torch
 import torch.distributed as dist
 
+from ._collectives import refused_together
 from .errors import NonFiniteInputError, reword
 from .ops.fused_weight_update import apply_rule, check_fused_parts, fused_weight_update
 from .ops.validation import check_update_inputs
@@ -50,7 +52,27 @@ def _rank(group):
 def linear_split_step(parts, weight, state, rule, step, *, group=None, config=None):
     """One step of a linear rule on the gradient summed over every part on every rank of
     ``group`` (``None``: this process's parts alone); ``weight`` and ``state`` are
-    updated in place and equal on every rank afterwards."""
+    updated in place and equal on every rank afterwards.
+
+    The steps are taken into copies and written back only once every part on every rank
+    has stepped: a refusal anywhere (bad arguments, NaN or infinity in a part, a tile
+    whose step overflows) raises on every rank of ``group`` with ``weight`` and ``state``
+    unchanged on all of them. Memory: one copy of the weight and its state for the sum,
+    and one more for the steps of the parts after the first."""
+    with refused_together(group, "linear_split_step"):
+        total_weight, total_state = _summed_steps(parts, weight, state, rule, step, config, _rank(group) == 0)
+    weight.copy_(total_weight)
+    for key, tensor in state.items():
+        tensor.copy_(total_state[key])
+    if _world(group) > 1:
+        for tensor in (weight, *state.values()):
+            dist.all_reduce(tensor, group=group)
+
+
+def _summed_steps(parts, weight, state, rule, step, config, first: bool):
+    """(weight, state) this rank adds to the sum: with ``first``, the step of its first
+    part on (weight, state) plus the steps of the others on zeros; otherwise the steps of
+    all its parts on zeros. Computed in new tensors; nothing of the caller's is written."""
     _check_parts(parts)
     if not rule.linear:
         raise ValueError(f"{rule!r} is not linear in (weight, state, gradient): a sum of steps is not the step. "
@@ -58,28 +80,26 @@ def linear_split_step(parts, weight, state, rule, step, *, group=None, config=No
     if weight.dtype != torch.float32 or any(t.dtype != torch.float32 for t in state.values()):
         raise TypeError("linear_split_step adds steps in the storage format: it needs fp32 weight and state "
                         "(a bf16 or q8 sum would round once more per part)")
-    check_fused_parts(parts, weight, state, rule, config)  # before the first write: a refusal changes nothing
+    check_fused_parts(parts, weight, state, rule, config)  # before the first launch
     contributions = list(parts)
-    if _rank(group) == 0:
+    if first:
+        total_weight, total_state = weight.clone(), {key: tensor.clone() for key, tensor in state.items()}
         x, dy = contributions.pop(0)
-        fused_weight_update(x, dy, weight, state, rule, step, config=config)
+        fused_weight_update(x, dy, total_weight, total_state, rule, step, config=config)
     else:
-        weight.zero_()
-        for tensor in state.values():
-            tensor.zero_()
-    zero_weight = torch.empty_like(weight)
-    zero_state = {key: torch.empty_like(tensor) for key, tensor in state.items()}
+        total_weight, total_state = torch.zeros_like(weight), {key: torch.zeros_like(t) for key, t in state.items()}
+    if contributions:
+        zero_weight = torch.empty_like(weight)
+        zero_state = {key: torch.empty_like(tensor) for key, tensor in state.items()}
     for x, dy in contributions:
         zero_weight.zero_()
         for tensor in zero_state.values():
             tensor.zero_()
         fused_weight_update(x, dy, zero_weight, zero_state, rule, step, config=config)
-        weight.add_(zero_weight)
-        for key, tensor in state.items():
+        total_weight.add_(zero_weight)
+        for key, tensor in total_state.items():
             tensor.add_(zero_state[key])
-    if _world(group) > 1:
-        for tensor in (weight, *state.values()):
-            dist.all_reduce(tensor, group=group)
+    return total_weight, total_state
 
 
 def _all_reduce_sum(grad, group, rows):
@@ -98,21 +118,23 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
     one.
 
     Every part is checked before the first bucket is written (shapes, dtypes, devices,
-    and this rank's inputs for NaN and infinities: one synchronization), so a refusal of
-    this rank's input changes nothing. What only a bucket's own sum can show (an overflow,
-    or another rank's non-finite part) stops the step at that bucket: the rows before it
+    and the inputs for NaN and infinities: one synchronization), and the ranks of
+    ``group`` agree on the verdict, so a refusal of any rank's input raises on every rank
+    and changes nothing on any. What only a bucket's own sum can show (an overflow) stops
+    the step at that bucket on every rank (they hold the same sum): the rows before it
     have stepped, and the error says which."""
-    _check_parts(parts)
     rows, cols = weight.shape
     bucket_rows = rows if bucket_rows is None else bucket_rows
-    if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
-        raise ValueError(f"bucket_rows must be a positive integer, got {bucket_rows!r}")
-    for x, dy in parts:
-        check_update_inputs(x, dy, weight, state, rule)
-    finite = torch.stack([torch.isfinite(x).all() & torch.isfinite(dy).all() for x, dy in parts]).tolist()
-    bad = [index for index, ok in enumerate(finite) if not ok]
-    if bad:
-        raise NonFiniteInputError(f"parts {bad} hold NaN or infinite values in x or dy; nothing was updated")
+    with refused_together(group, "materialized_split_step"):
+        _check_parts(parts)
+        if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
+            raise ValueError(f"bucket_rows must be a positive integer, got {bucket_rows!r}")
+        for x, dy in parts:
+            check_update_inputs(x, dy, weight, state, rule)
+        finite = torch.stack([torch.isfinite(x).all() & torch.isfinite(dy).all() for x, dy in parts]).tolist()
+        bad = [index for index, ok in enumerate(finite) if not ok]
+        if bad:
+            raise NonFiniteInputError(f"parts {bad} hold NaN or infinite values in x or dy; nothing was updated")
     place = weight_slice or WeightSlice.whole(weight.shape)
     for start in range(0, rows, bucket_rows):
         stop = min(rows, start + bucket_rows)

@@ -91,3 +91,25 @@ def test_materialized_split_names_the_rows_stepped_before_an_overflowing_bucket(
     with pytest.raises(fk.NonFiniteInputError, match=r"rows 2\.\.3; rows 0\.\.1 had stepped already"):
         materialized_split_step([(x, dy)], weight, rule.init_state(weight), rule, 1, bucket_rows=2)
     assert torch.all(weight[:2] != 0) and torch.all(weight[2:] == 0)
+
+
+@pytest.mark.parametrize("damage", ["nan", "overflow"])
+def test_linear_split_refusing_a_later_part_writes_nothing(damage, device):
+    """The first part had stepped the weight in place before a later part's step was
+    refused (a NaN in its dy, or a tile whose step overflows), while the error said
+    nothing was updated: the steps now go into copies, written back only when all passed."""
+    rule = fk.SGD(lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(8, 16, generator=gen).to(device)
+    state = rule.init_state(weight)
+    parts = [(torch.randn(4, 16, generator=gen).to(device), torch.randn(4, 8, generator=gen).to(device))
+             for _ in range(2)]
+    x, dy = parts[1]
+    if damage == "nan":
+        dy[1, 2] = float("nan")
+    else:  # finite inputs whose product overflows fp32 in dW[2, 5] alone
+        x[:, 5], dy[:, 2] = 1e20, 1e20
+    before = weight.clone(), state["momentum_buffer"].clone()
+    with pytest.raises(FloatingPointError):
+        linear_split_step(parts, weight, state, rule, 1)
+    assert torch.equal(weight, before[0]) and torch.equal(state["momentum_buffer"], before[1])

@@ -115,3 +115,32 @@ def bucketed_equals_standard_pipeline(split, rule, bucket_rows, regime):
     assert_bitwise_equal(w_a, w_b, f"rank {dist.get_rank()}, {split}, bucket_rows={bucket_rows}: weight")
     for key in s_a:
         assert_bitwise_equal(s_a[key], s_b[key], f"rank {dist.get_rank()}, {split}: state {key}")
+
+
+def one_rank_refused(method, fault):
+    """Job: a data-parallel step in which only rank 1's part is bad (``fault``: "nan" in
+    dy, or "shape", an x of the wrong width); returns (this rank's error, whether its
+    weight or state changed). Every rank must refuse, none may wait in the reduction for a
+    rank that refused alone, and nothing may be written anywhere."""
+    rule = fk.SGD(lr=0.1, momentum=0.9)
+    weight, [(x, dy)] = problem(seed=3)
+    parts, group = parts_of("data", x, dy)
+    if dist.get_rank() == 1:
+        x0, dy0 = parts[0]
+        if fault == "nan":
+            dy0 = dy0.clone()
+            dy0[1, 2] = float("nan")
+        else:
+            x0 = x0[:, :-1]
+        parts = [(x0, dy0)]
+    state = rule.init_state(weight)
+    state["momentum_buffer"].fill_(0.25)  # so that a write of any step would show
+    before = [t.clone() for t in (weight, *state.values())]
+    step = linear_split_step if method == "linear" else materialized_split_step
+    try:
+        step(parts, weight, state, rule, 1, group=group)
+        error = None
+    except (TypeError, ValueError, FloatingPointError) as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    changed = any(not torch.equal(a, b) for a, b in zip(before, (weight, *state.values())))
+    return error, changed

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._collectives import refused_together
 from ..config import PINNED, TileConfig
 from ..ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from ..ops.stochastic_round import check_seed
@@ -170,7 +171,7 @@ class ChunkFT(torch.optim.Optimizer):
             data_parallel.check_group(process_group)
         self._group = process_group
         # A refusal on one rank is a refusal on every rank, before the collectives below.
-        with data_parallel.refused_together(process_group):
+        with refused_together(process_group, "ChunkFT"):
             _check_arguments(model, rule, switch_every, split, order, state_store, rounding, config, prefetch)
             self.model, self.rule, self.chunks, self.switch_every = model, rule, chunks, switch_every
             self.split, self.order, self.state_store, self.seed = split, order, state_store, check_seed(seed)

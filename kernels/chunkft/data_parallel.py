@@ -14,12 +14,10 @@ This is ``token_split.materialized_split_step``'s path with two differences: it 
 sums, and it reduces the Embedding, norm and bias slices' gradients too.
 """
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-from .._collectives import place_weighted_bits
+from .._collectives import gathered, place_weighted_bits
 
 
 def check_group(group):
@@ -33,41 +31,11 @@ def check_group(group):
     return dist.get_world_size(group)
 
 
-def _gathered(value, group) -> list:
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, value, group=group)
-    return everyone
-
-
-@contextlib.contextmanager
-def refused_together(group):
-    """Run a rank's local checks so that a refusal on any rank is one on every rank: each
-    rank tells the others whether its checks passed before any goes on (a rank that
-    raised alone would leave the others waiting in the next collective until it times
-    out). The rank that failed raises its own error; the others name the ranks and the
-    first error. Nothing is gathered without a group."""
-    if group is None:
-        yield
-        return
-    failure = None
-    try:
-        yield
-    except Exception as error:  # whatever stopped this rank must stop the others too
-        failure = error
-    verdicts = _gathered(None if failure is None else f"{type(failure).__name__}: {failure}", group)
-    if failure is not None:
-        raise failure
-    failed = [rank for rank, verdict in enumerate(verdicts) if verdict is not None]
-    if failed:
-        raise ValueError(f"ChunkFT was refused on ranks {failed} of the process group ({verdicts[failed[0]]}); "
-                         "refused here too")
-
-
 def check_same_on_every_rank(description: dict, group) -> None:
     """Refuse, on every rank, a configuration that differs between the ranks, naming what
     differs (a different plan would make ranks all-reduce different slices: wrong sums, or
     a hang; other rule settings, rounding or tile config would step other bits)."""
-    everyone = _gathered(description, group)
+    everyone = gathered(description, group)
     ranks = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
     if ranks:
         keys = sorted({key for theirs in everyone for key in set(theirs) | set(everyone[0])
@@ -87,7 +55,7 @@ def check_same_weights(named_params: dict, group) -> None:
     """Refuse, on every rank, weights that differ between the ranks (DDP broadcasts rank
     0's; ChunkFT does not change the model behind the caller's back, it names them)."""
     ours = [_digest(p) for p in named_params.values()]
-    everyone = _gathered(ours, group)
+    everyone = gathered(ours, group)
     differing = sorted({name for theirs in everyone for name, a, b in zip(named_params, theirs, everyone[0])
                         if a != b})
     if differing:
