@@ -123,14 +123,14 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
     and changes nothing on any. What only a bucket's own sum can show (an overflow) stops
     the step at that bucket on every rank (they hold the same sum): the rows before it
     have stepped, and the error says which."""
-    rows, cols = weight.shape
-    bucket_rows = rows if bucket_rows is None else bucket_rows
     with refused_together(group, "materialized_split_step"):
         _check_parts(parts)
-        if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
-            raise ValueError(f"bucket_rows must be a positive integer, got {bucket_rows!r}")
         for x, dy in parts:
             check_update_inputs(x, dy, weight, state, rule)
+        rows = weight.shape[0]
+        bucket_rows = rows if bucket_rows is None else bucket_rows
+        if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:
+            raise ValueError(f"bucket_rows must be a positive integer, got {bucket_rows!r}")
         finite = torch.stack([torch.isfinite(x).all() & torch.isfinite(dy).all() for x, dy in parts]).tolist()
         bad = [index for index, ok in enumerate(finite) if not ok]
         if bad:
