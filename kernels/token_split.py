@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ._collectives import refused_together
 from .errors import NonFiniteInputError, reword
-from .ops.fused_weight_update import apply_rule, check_fused_parts, fused_weight_update
+from .ops.fused_weight_update import apply_rule, check_epilogue_arguments, check_fused_parts, fused_weight_update
 from .ops.validation import check_update_inputs
 from .ops.weight_gradient import weight_gradient
 from .weight_slice import WeightSlice
@@ -58,15 +58,18 @@ def linear_split_step(parts, weight, state, rule, step, *, group=None, config=No
     has stepped: a refusal anywhere (bad arguments, NaN or infinity in a part, a tile
     whose step overflows) raises on every rank of ``group`` with ``weight`` and ``state``
     unchanged on all of them. Memory: one copy of the weight and its state for the sum,
-    and one more for the steps of the parts after the first."""
-    with refused_together(group, "linear_split_step"):
-        total_weight, total_state = _summed_steps(parts, weight, state, rule, step, config, _rank(group) == 0)
-    weight.copy_(total_weight)
-    for key, tensor in state.items():
-        tensor.copy_(total_state[key])
-    if _world(group) > 1:
-        for tensor in (weight, *state.values()):
-            dist.all_reduce(tensor, group=group)
+    and one more for the steps on zeros (every part but the group's first)."""
+    # No autograd history: the weight may be a Parameter that requires grad, which the
+    # kernels write in place as the optimizer's step does.
+    with torch.no_grad():
+        with refused_together(group, "linear_split_step"):
+            total_weight, total_state = _summed_steps(parts, weight, state, rule, step, config, _rank(group) == 0)
+        weight.copy_(total_weight)
+        for key, tensor in state.items():
+            tensor.copy_(total_state[key])
+        if _world(group) > 1:
+            for tensor in (weight, *state.values()):
+                dist.all_reduce(tensor, group=group)
 
 
 def _summed_steps(parts, weight, state, rule, step, config, first: bool):
@@ -127,6 +130,9 @@ def materialized_split_step(parts, weight, state, rule, step, *, group=None, buc
         _check_parts(parts)
         for x, dy in parts:
             check_update_inputs(x, dy, weight, state, rule)
+        # Checked here, not first by bucket 0's apply_rule, after the ranks' first reduction.
+        check_epilogue_arguments(weight, state, rule, step, config=config, rounding=rounding, seed=seed,
+                                 weight_slice=weight_slice)
         rows = weight.shape[0]
         bucket_rows = rows if bucket_rows is None else bucket_rows
         if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 1:

@@ -35,12 +35,14 @@ def test_bucketed_materialized_step_equals_standard_pipeline(split, regime, rank
     rank_pool(WORLD_SIZE).run(tc.bucketed_equals_standard_pipeline, split, fk.AdamW(lr=1e-2), 5, regime)
 
 
-@pytest.mark.parametrize("fault", ["nan", "shape"])
-@pytest.mark.parametrize("method", ["linear", "materialized"])
+@pytest.mark.parametrize("method, fault", [("linear", "nan"), ("linear", "shape"), ("materialized", "nan"),
+                                           ("materialized", "shape"), ("materialized", "seed")])
 def test_a_part_refused_on_one_rank_is_refused_on_every_rank_and_writes_nothing(method, fault, rank_pool):
-    """Rank 1 alone holds a bad part: it raises its own error, rank 0 one naming rank 1
-    (it had waited in the reduction for a rank that raised alone), and neither writes."""
-    own = {"nan": "NonFiniteInputError: ", "shape": "but x has 31 input features"}[fault]
+    """Rank 1 alone holds a bad part or argument: it raises its own error, rank 0 one
+    naming rank 1 (it had waited in the reduction for a rank that raised alone, or stepped
+    its first bucket before rank 1 refused the seed), and neither writes."""
+    own = {"nan": "NonFiniteInputError: ", "shape": "but x has 31 input features",
+           "seed": "seed must be an integer in [0, 2**63)"}[fault]
     errors = rank_pool(WORLD_SIZE).run(tc.one_rank_refused, method, fault)
     (error0, changed0), (error1, changed1) = errors
     assert error1 is not None and own in error1, error1

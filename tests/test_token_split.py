@@ -113,3 +113,20 @@ def test_linear_split_refusing_a_later_part_writes_nothing(damage, device):
     with pytest.raises(FloatingPointError):
         linear_split_step(parts, weight, state, rule, 1)
     assert torch.equal(weight, before[0]) and torch.equal(state["momentum_buffer"], before[1])
+
+
+def test_linear_split_steps_a_parameter_that_requires_grad(device):
+    """As the optimizer's step does, in place and without autograd history, with the bits
+    it gives a plain tensor (the write-back into the Parameter raised "a leaf Variable
+    that requires grad is being used in an in-place operation")."""
+    rule = fk.SGD(lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(8, 16, generator=gen).to(device)
+    x, dy = torch.randn(4, 16, generator=gen).to(device), torch.randn(4, 8, generator=gen).to(device)
+    for parts in ([(x, dy)], [(x[:2], dy[:2]), (x[2:], dy[2:])]):
+        expected = weight.clone()
+        linear_split_step(parts, expected, rule.init_state(expected), rule, 1)
+        w = torch.nn.Parameter(weight.clone())
+        linear_split_step(parts, w, rule.init_state(w), rule, 1)
+        assert w.grad_fn is None and w.requires_grad
+        assert torch.equal(w.detach().view(torch.int32), expected.view(torch.int32))

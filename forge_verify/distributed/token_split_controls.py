@@ -118,8 +118,9 @@ def bucketed_equals_standard_pipeline(split, rule, bucket_rows, regime):
 
 
 def one_rank_refused(method, fault):
-    """Job: a data-parallel step in which only rank 1's part is bad (``fault``: "nan" in
-    dy, or "shape", an x of the wrong width); returns (this rank's error, whether its
+    """Job: a data-parallel step in which only rank 1's call is bad (``fault``: "nan" in
+    dy, "shape", an x of the wrong width, or, for the materialized step, "seed", a seed out
+    of range, which the rule's epilogue checks); returns (this rank's error, whether its
     weight or state changed). Every rank must refuse, none may wait in the reduction for a
     rank that refused alone, and nothing may be written anywhere."""
     rule = fk.SGD(lr=0.1, momentum=0.9)
@@ -130,15 +131,19 @@ def one_rank_refused(method, fault):
         if fault == "nan":
             dy0 = dy0.clone()
             dy0[1, 2] = float("nan")
-        else:
+        elif fault == "shape":
             x0 = x0[:, :-1]
         parts = [(x0, dy0)]
+    # Two buckets: a rank that refused only at the first bucket's rule would leave the
+    # other waiting in the second bucket's reduction, its first rows written.
+    options = {"seed": -1 if fault == "seed" and dist.get_rank() == 1 else 0, "bucket_rows": 12} \
+        if method == "materialized" else {}
     state = rule.init_state(weight)
     state["momentum_buffer"].fill_(0.25)  # so that a write of any step would show
     before = [t.clone() for t in (weight, *state.values())]
     step = linear_split_step if method == "linear" else materialized_split_step
     try:
-        step(parts, weight, state, rule, 1, group=group)
+        step(parts, weight, state, rule, 1, group=group, **options)
         error = None
     except (TypeError, ValueError, FloatingPointError) as caught:
         error = f"{type(caught).__name__}: {caught}"

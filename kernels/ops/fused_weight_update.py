@@ -495,6 +495,14 @@ def check_fused_parts(parts, weight, state, rule, config=None):
         epilogue.check_fused(x, dy, weight)
 
 
+def check_epilogue_arguments(weight, state, rule, step, *, config=None, rounding=None, seed=0, weight_slice=None):
+    """Refuse, writing nothing, what ``apply_rule(grad, weight, state, rule, step, ...)``
+    would refuse of its other arguments (the step, seed, rounding, tile config and slice):
+    for callers that apply the rule later, bucket by bucket, after a collective."""
+    check_capture(weight, step, "raise")
+    _Epilogue(weight, state, rule, step, config, rounding, seed, 1.0, weight_slice)
+
+
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
                         rounding=None, seed=0, grad_scale=1.0, weight_slice=None, report="raise",
                         square_sums=None):
