@@ -23,7 +23,6 @@ operands that cover every token (``tensor_parallel``). Explicit-collective
 
 import json
 import weakref
-from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,7 @@ from .errors import NonFiniteUpdateError, reword
 from .hf import is_conv1d
 from .ops.fused_weight_update import ROUNDINGS, apply_rule, check_report, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
-from .rules.base import STATE_FORMATS, Rule
+from .rules.base import STATE_FORMATS, Rule, recorded_hyperparameters, shown_hyperparameters
 from .tensor_parallel import check_input_layout, is_dtensor, local_operands, local_weight
 from .tensor_parallel import weight_slice as weight_slice_of
 from .weight_slice import WeightSlice
@@ -331,7 +330,7 @@ class ForgeLinear(nn.Linear):
     def get_extra_state(self):
         """The rule's class name and hyperparameters but the learning rate, as UTF-8 JSON in
         a uint8 tensor (see the class docstring)."""
-        record = {"rule": type(self.rule).__name__, "hyperparameters": _recorded_hyperparameters(self.rule)}
+        record = {"rule": type(self.rule).__name__, "hyperparameters": recorded_hyperparameters(self.rule)}
         return torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
 
     def set_extra_state(self, state):
@@ -381,21 +380,21 @@ class ForgeLinear(nn.Linear):
             # The per-step checks look at shapes and dtypes only (reading values would
             # synchronize every step); a checkpoint is read once, here.
             return f"{where}: {bad_values}; refused, the layer is left as it was"
-        ours = _recorded_hyperparameters(self.rule)
+        ours = recorded_hyperparameters(self.rule)
         layer = f"model.get_submodule({prefix[:-1]!r})" if prefix else "layer"
         vouch = (f"checkpoint[{prefix + _EXTRA_STATE_KEY!r}] = {layer}.get_extra_state(). The learning rate is "
                  "not recorded: a scheduler, or fk.Trainer's optimizer, sets it")
         if "hyperparameters" not in record:
             return (f"{where}: the checkpoint records no hyperparameters of its rule (it was written before they "
-                    f"were recorded), so they cannot be checked against the layer's {rule}({_shown(ours)}); "
+                    f"were recorded), so they cannot be checked against the layer's {rule}({shown_hyperparameters(ours)}); "
                     "refused, the layer is left as it was. If it was written with these hyperparameters, give it "
                     f"the layer's record: {vouch}")
         theirs = record["hyperparameters"]
         if theirs == ours:
             return None
         names = [name for name in {**ours, **theirs} if ours.get(name, _ABSENT) != theirs.get(name, _ABSENT)]
-        return (f"{where}: its {rule} has {_shown(ours, names)} where the checkpoint's has "
-                f"{_shown(theirs, names)}; refused, the layer is left as it was. Fuse with the checkpoint's "
+        return (f"{where}: its {rule} has {shown_hyperparameters(ours, names)} where the checkpoint's has "
+                f"{shown_hyperparameters(theirs, names)}; refused, the layer is left as it was. Fuse with the checkpoint's "
                 "hyperparameters or set them on the rule; to go on with the layer's on purpose, give the checkpoint "
                 f"the layer's record: {vouch}")
 
@@ -610,25 +609,6 @@ def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _recorded_hyperparameters(rule) -> dict:
-    """``rule``'s hyperparameters as a checkpoint records them (as JSON reads them back:
-    numbers as floats, pairs as lists), all but ``lr``, which schedulers own: a resumed
-    run's scheduler or ``fk.Trainer``'s optimizer sets it."""
-    return {name: _plain(value) for name, value in rule.hyperparameters().items() if name != "lr"}
-
-
-def _plain(value):
-    """A hyperparameter as JSON keeps it: bools and strings as they are, other numbers as
-    floats (momentum=0 is momentum=0.0), sequences as lists, anything else by its repr."""
-    if isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, Real):
-        return float(value)
-    if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
-    return repr(value)
-
-
 def _read_record(tensor):
     """The rule record in a checkpoint's ``_extra_state`` as a dict with a ``"rule"``
     name, or a description of what was found instead."""
@@ -640,17 +620,6 @@ def _read_record(tensor):
             isinstance(record.get("hyperparameters", {}), dict):
         return record
     return f"an unreadable rule record ({tensor!r:.60})"
-
-
-def _shown(hyperparameters: dict, names=None) -> str:
-    """``name=value, ...`` for ``names`` (default: all), lists shown as the tuples they were."""
-    names = list(hyperparameters) if names is None else names
-    return ", ".join(f"{name}={_as_given(hyperparameters[name])!r}" if name in hyperparameters else f"no {name}"
-                     for name in names)
-
-
-def _as_given(value):
-    return tuple(_as_given(item) for item in value) if isinstance(value, list) else value
 
 
 def _shared_parameters(model: nn.Module) -> dict:

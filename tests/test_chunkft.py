@@ -107,6 +107,13 @@ def test_checkpoint_with_other_rule_settings_rounding_or_tile_config_is_refused(
     assert scheduled.param_groups[0]["lr"] == 1e-2
 
 
+def test_checkpoint_loads_where_a_setting_is_the_same_number_written_otherwise():
+    """momentum=0 and momentum=0.0 are one rule: a checkpoint of one loads into the other
+    (the settings are compared as fused checkpoints record them, numbers as floats)."""
+    saved = fk.ChunkFT(nn.Sequential(nn.Linear(4, 4)), fk.SGD(lr=0.1, momentum=0), chunks=2).state_dict()
+    fk.ChunkFT(nn.Sequential(nn.Linear(4, 4)), fk.SGD(lr=0.1, momentum=0.0), chunks=2).load_state_dict(saved)
+
+
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "q8"])
 def test_one_chunk_is_the_plain_fused_update(state_format, device):
     """chunks=1 (the properties' dense step) is fk.fused_weight_update on the whole weight

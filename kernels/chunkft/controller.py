@@ -20,7 +20,7 @@ from ..config import PINNED, TileConfig
 from ..ops.fused_weight_update import ROUNDINGS, apply_rule, fused_weight_update
 from ..ops.stochastic_round import check_seed
 from ..ops.weight_gradient import weight_gradient
-from ..rules.base import Rule
+from ..rules.base import Rule, recorded_hyperparameters, shown_hyperparameters
 from . import data_parallel, sliced
 from . import shards as shard_plan
 from .plan import SPLITS, plan_chunks, tensor_costs
@@ -439,7 +439,7 @@ class ChunkFT(torch.optim.Optimizer):
         """What a checkpoint must match to resume bit for bit: the rule and its settings but
         its learning rate (a scheduler's; the checkpoint restores its own), the rounding
         and the tile config (None named as what it means), the plan and the schedule."""
-        settings = ", ".join(f"{k}={v!r}" for k, v in self.rule.hyperparameters().items() if k != "lr")
+        settings = shown_hyperparameters(recorded_hyperparameters(self.rule))  # as fused checkpoints: 0 is 0.0
         described = {"rule": f"{type(self.rule).__name__}({settings})", "chunks": self.chunks,
                      "switch_every": self.switch_every, "split": self.split, "order": self.order, "seed": self.seed,
                      "state_format": self.state_format, "rounding": self.rounding or "stochastic",

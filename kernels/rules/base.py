@@ -65,6 +65,37 @@ def check_eps(value) -> float:
                           "element and its state are 0)")
 
 
+def recorded_hyperparameters(rule) -> dict:
+    """``rule``'s hyperparameters as a checkpoint records them (as JSON reads them back:
+    numbers as floats, pairs as lists), all but ``lr``, which schedulers own: a resumed
+    run's scheduler or ``fk.Trainer``'s optimizer sets it. Fused layers' and ChunkFT's
+    checkpoints both compare rules by these, so momentum=0 and momentum=0.0 are one rule."""
+    return {name: _plain(value) for name, value in rule.hyperparameters().items() if name != "lr"}
+
+
+def _plain(value):
+    """A hyperparameter as JSON keeps it: bools and strings as they are, other numbers as
+    floats (momentum=0 is momentum=0.0), sequences as lists, anything else by its repr."""
+    if isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, Real):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    return repr(value)
+
+
+def shown_hyperparameters(hyperparameters: dict, names=None) -> str:
+    """``name=value, ...`` for ``names`` (default: all), lists shown as the tuples they were."""
+    names = list(hyperparameters) if names is None else names
+    return ", ".join(f"{name}={_as_given(hyperparameters[name])!r}" if name in hyperparameters else f"no {name}"
+                     for name in names)
+
+
+def _as_given(value):
+    return tuple(_as_given(item) for item in value) if isinstance(value, list) else value
+
+
 class Rule:
     """Base class of element-wise optimizer rules; subclasses live one per file."""
 
