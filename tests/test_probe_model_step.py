@@ -46,3 +46,11 @@ def test_no_activity_gives_nothing():
 ])
 def test_kernels_go_to_their_kind(name, kind):
     assert probe.kind(name) == kind
+
+
+def test_every_forge_kernel_name_is_a_kernel_of_the_package():
+    """The profile names a kernel by its function's name, so a renamed kernel (``_total_kernel``
+    became ``_norm_kernel``) would fall silently into "other" while its old key stayed here."""
+    sources = "\n".join(path.read_text() for path in (Path(__file__).resolve().parents[1] / "kernels").rglob("*.py"))
+    missing = [name for name in probe.FORGE_KERNELS if f"def {name}(" not in sources]
+    assert not missing, f"probe_model_step.FORGE_KERNELS names no kernel under kernels/: {missing}"
