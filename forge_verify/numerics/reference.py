@@ -222,20 +222,25 @@ def weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return dy.detach().cpu().to(torch.float64).T @ x.detach().cpu().to(torch.float64)
 
 
-def weight_grad_enclosure(x: torch.Tensor, dy: torch.Tensor, backend: str) -> Interval:
-    """An interval containing every fp32 dW the kernel can compute on ``backend``.
+def weight_grad_radius(x: torch.Tensor, dy: torch.Tensor, backend: str) -> torch.Tensor:
+    """A float64 bound, per element, on how far the fp32 dW the kernel computes on ``backend``
+    from ``x`` (T, n) and ``dy`` (T, m) lies from dyᵀx, exact or evaluated in float64 alike.
 
     |fp32 sum - exact| <= accumulation_rtol * S and |float64 sum - exact| <= gamma_T(u64) * S,
     with S = sum_t |dy_ti x_tj| (itself computed in float64, so inflated by gamma_T(u64)).
     """
     T = x.shape[0]
     xd, dyd = x.detach().cpu().to(torch.float64), dy.detach().cpu().to(torch.float64)
-    center = dyd.T @ xd
     abs_sum = dyd.abs().T @ xd.abs()
     g64 = gamma(max(T, 1), UNIT_ROUNDOFF[torch.float64])
     rtol = accumulation_rtol(backend, x.dtype, T) + g64
     # A zero sum of absolute products means every product is exactly 0: so is the sum.
     # The (1 + 4 u64) factor rounds the float64 evaluation of the radius itself upward.
-    radius = torch.where(abs_sum == 0, 0.0, (rtol * abs_sum * (1 + g64) + T * FP32_UNDERFLOW)
-                         * (1 + 4 * UNIT_ROUNDOFF[torch.float64]))
-    return Interval.around(center, radius)
+    return torch.where(abs_sum == 0, 0.0, (rtol * abs_sum * (1 + g64) + T * FP32_UNDERFLOW)
+                       * (1 + 4 * UNIT_ROUNDOFF[torch.float64]))
+
+
+def weight_grad_enclosure(x: torch.Tensor, dy: torch.Tensor, backend: str) -> Interval:
+    """An interval containing every fp32 dW the kernel can compute on ``backend``: the
+    float64 dyᵀx widened by ``weight_grad_radius``."""
+    return Interval.around(weight_grad(x, dy), weight_grad_radius(x, dy, backend))
