@@ -20,7 +20,7 @@ import forge_kernels as fk
 from forge_verify.checks import claims
 from forge_verify.checks import strategies as fst
 from forge_verify.checks.observations import observe
-from forge_verify.checks.problems import Problem, make_inputs, run_rule
+from forge_verify.checks.problems import Problem, make_inputs
 from forge_verify.numerics import findings
 
 pytestmark = pytest.mark.exactness
@@ -58,13 +58,10 @@ def test_block_t_finding(dtype, device, backend):
         f"on {backend} with {dtype} activations BLOCK_T {'changed' if differs else 'did not change'} the "
         f"gradient's bits, but forge_verify.numerics.findings records {expected}: update the finding and the README")
     # One level up, the fused update inherits that gradient's bits: at each BLOCK_T it is the
-    # rule applied to that BLOCK_T's materialized gradient (the oracle), bit for bit. Whether
-    # the two weights then differ is the rule's business, not the finding's: AdamW's first
-    # step, about lr·sign(g), absorbed the gradients' few-ulp differences on these inputs.
+    # rule applied to that BLOCK_T's materialized gradient (the oracle), bit for bit, weight and
+    # state. Whether the two weights then differ is the rule's business, not the finding's: AdamW's
+    # first step, about lr·sign(g), absorbed the gradients' few-ulp differences on these inputs.
     rule = fk.AdamW(lr=1e-3)
     for block_t in (16, 64):
-        config = fk.TileConfig(block_t=block_t)
-        fused, _ = run_rule(inputs, rule, config=config)
-        oracle, _ = run_rule(inputs, rule, oracle=True, config=config)
-        assert torch.equal(fused.view(torch.int32), oracle.view(torch.int32)), f"BLOCK_T {block_t}"
+        claims.fused_matches_oracle(problem, rule, fk.TileConfig(block_t=block_t), device)
     observe(0)
