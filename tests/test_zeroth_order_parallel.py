@@ -49,12 +49,15 @@ def test_two_data_parallel_ranks_give_the_single_process_step(method, rank_pool)
     ("MeZO", "weight_decay", "ValueError", r"disagree on weight_decay \(rank\(s\) \[1\]"),
     ("GRZO", "weights", "ValueError", "hold different weights"),
     ("MeZO", "weights", "ValueError", "hold different weights"),
+    ("GRZO", "reloaded", "ValueError", "hold different weights"),
+    ("MeZO", "reloaded", "ValueError", "hold different weights"),
 ])
 def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(method, fault, error, message, rank_pool):
     """Rank 0 alone has the fault; rank 1 raises too (no rank is left waiting in a
     collective) and GRZO's parameters are untouched on both (MeZO's restore may drift:
     properties/test_zeroth_order_mezo.py). A hyperparameter or weights that differ used
-    to go unnoticed: the ranks stepped apart silently."""
+    to go unnoticed: the ranks stepped apart silently. "reloaded": weights that came
+    apart after the first step are seen at the step after a load_state_dict."""
     results = rank_pool(WORLD).run(jobs.refused_everywhere, method, BATCH, fault)
     for rank, (raised, unchanged) in enumerate(results):
         assert raised is not None, f"rank {rank} took the step"

@@ -34,8 +34,10 @@ def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
     unchanged) when rank 0 alone has a ``fault``: "nan" (a non-finite loss), "shape" (a
     closure returning the wrong thing), "batch" (one example fewer than the others),
     "seed" (another seed), a hyperparameter's name (another value of it, set in
-    param_groups as a scheduler would) or "weights" (its embedding's rows in reverse
-    order: a permutation, which a plain sum of the weights would not see)."""
+    param_groups as a scheduler would), "weights" (its embedding's rows in reverse
+    order: a permutation, which a plain sum of the weights would not see) or "reloaded"
+    (after one good step on both ranks, the same reversal on rank 0, then
+    ``opt.load_state_dict(opt.state_dict())`` on both: a resume compares the weights again)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, features, targets = _local(batch_invariant_data(batch), rank, world)
     if fault == "batch" and rank == 0:
@@ -44,7 +46,6 @@ def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
     if fault == "weights" and rank == 0:
         with torch.no_grad():
             model.tok.weight.copy_(model.tok.weight.flip(0))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = zeroth_order_optimizer(method, model, group=dist.group.WORLD)
     if fault == "seed" and rank == 0:
         opt.seed += 1
@@ -58,6 +59,13 @@ def refused_everywhere(method: str, batch: int, fault: str) -> tuple:
         if rank == 0 and fault == "shape":
             return losses.sum() if method == "GRZO" else losses
         return losses if method == "GRZO" else losses.mean()
+    if fault == "reloaded":
+        opt.step(closure)
+        if rank == 0:
+            with torch.no_grad():
+                model.tok.weight.copy_(model.tok.weight.flip(0))
+        opt.load_state_dict(opt.state_dict())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         opt.step(closure)
         error = None
