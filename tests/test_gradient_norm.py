@@ -108,9 +108,11 @@ def test_total_keeps_what_fp32_would_lose(count, device):
 @pytest.mark.exactness
 @pytest.mark.parametrize("total_hex", ["0x1.fe928f4ca1f87p+1", "0x1.04425567ebb8fp+0"])
 def test_root_is_correctly_rounded(total_hex, device):
-    """The float64 root is correctly rounded on every backend, so the fp32 norm is too:
-    each total here (split into three fp32 tile sums whose float64 sum is exact in any
-    order) has a root within a float64 ulp of an fp32 rounding boundary, where torch
+    """The float64 root is correctly rounded on every backend, so the fp32 norm is
+    fp32(rn64(√S)), the two roundings proofs/gradient_norm.md step 6 counts (not always
+    the correctly rounded fp32 √S: for 0x1.04425567ebb8fp+0 the two differ by an fp32
+    ulp): each total here (split into three fp32 tile sums whose float64 sum is exact in
+    any order) has a root within a float64 ulp of an fp32 rounding boundary, where torch
     2.13.0+cpu's float64 ``sqrt`` (one ulp off for these) gives the neighbouring fp32
     value."""
     total = float.fromhex(total_hex)
