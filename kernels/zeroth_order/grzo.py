@@ -35,7 +35,7 @@ from . import data_parallel
 from . import update_kernel
 from .common_random import SameRandomNumbers
 from .draws import BASE, COL, ROW, CallDraws
-from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, hyperparameter
+from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, check_state, hyperparameter
 from .targets import Perturbed, find_targets, row_blocks
 
 NORMALIZATIONS = ("std", "none")
@@ -64,24 +64,6 @@ def _check_block_elements(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"block_elements must be a positive integer, got {value!r}")
     return value
-
-
-def check_call(call):
-    if isinstance(call, bool) or not isinstance(call, int) or call < 0:
-        raise ValueError(f"call must be a non-negative integer, got {call!r}")
-    return call
-
-
-def check_state(state, method: str, keys) -> None:
-    """Refuse a state that is not a dict of ``method`` with every key in ``keys``, naming
-    what is wrong, before anything of it is used."""
-    if not isinstance(state, dict):
-        raise TypeError(f"{method}: a state is the dict state_dict() returns, got {type(state).__name__}")
-    if state.get("method") != method:
-        raise ValueError(f"a {state.get('method')} state cannot be loaded into {method}")
-    missing = [key for key in keys if key not in state]
-    if missing:
-        raise ValueError(f"{method}: the state lacks {missing}; nothing was loaded")
 
 
 def per_example_losses(value, what="the closure") -> torch.Tensor:
@@ -343,8 +325,4 @@ class GRZO(OneGroupOptimizer):
                              f"optimizer has {self.block_elements}: the hooks' row blocks may round the losses "
                              f"differently, so the resumed run would not be the saved one's; build it with "
                              f"block_elements={state['block_elements']!r}")
-        seed = check_seed(state["seed"])
-        call = check_call(state["call"])
-        group = self.checked_group_state(state["param_groups"])
-        self.seed, self.call, self.digest_weights = seed, call, True
-        self.param_groups[0].update(group)
+        self.resume(state)

@@ -32,8 +32,8 @@ from . import data_parallel
 from . import draw_kernel, mezo_kernel
 from .common_random import SameRandomNumbers
 from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
-from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, check_call, check_state, unmoved_message
-from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, hyperparameter
+from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, unmoved_message
+from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, check_state, hyperparameter
 from .targets import SUPPORTED_DTYPES, check_shards
 
 
@@ -267,8 +267,4 @@ class MeZO(OneGroupOptimizer):
         names = [n for n, _ in self.params]
         if state["parameters"] != names:
             raise ValueError(f"the state was saved for parameters {state['parameters']}, this model has {names}")
-        seed = check_seed(state["seed"])
-        call = check_call(state["call"])
-        group = self.checked_group_state(state["param_groups"])
-        self.seed, self.call, self.digest_weights = seed, call, True
-        self.param_groups[0].update(group)
+        self.resume(state)

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from ..ops.stochastic_round import check_seed
+
 
 def check_nonnegative(name, value, positive=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -19,6 +21,24 @@ def check_nonnegative(name, value, positive=False):
 
 def check_positive(name, value):
     return check_nonnegative(name, value, positive=True)
+
+
+def check_call(call):
+    if isinstance(call, bool) or not isinstance(call, int) or call < 0:
+        raise ValueError(f"call must be a non-negative integer, got {call!r}")
+    return call
+
+
+def check_state(state, method: str, keys) -> None:
+    """Refuse a state that is not a dict of ``method`` with every key in ``keys``, naming
+    what is wrong, before anything of it is used."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{method}: a state is the dict state_dict() returns, got {type(state).__name__}")
+    if state.get("method") != method:
+        raise ValueError(f"a {state.get('method')} state cannot be loaded into {method}")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{method}: the state lacks {missing}; nothing was loaded")
 
 
 def hyperparameter(key: str) -> property:
@@ -67,3 +87,13 @@ class OneGroupOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{self.method}: the state's param_groups must be a list of one dict, got {saved!r}")
         group = {key: value for key, value in saved[0].items() if key != "params"}
         return {**group, **self._checked(group, "the state's param_groups[0]: ")}
+
+    def resume(self, state: dict) -> None:
+        """The seed, call counter and param_groups of ``state`` (already ``check_state``'d),
+        each checked before any is assigned (a refused state changes nothing); the ranks'
+        weights are compared again at the next step (``digest_weights``)."""
+        seed = check_seed(state["seed"])
+        call = check_call(state["call"])
+        group = self.checked_group_state(state["param_groups"])
+        self.seed, self.call, self.digest_weights = seed, call, True
+        self.param_groups[0].update(group)
