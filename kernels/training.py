@@ -39,8 +39,9 @@ GRADIENTS = ("fused", "materialized")
 CLIPPING = ("exact", "previous-norm")
 NORMS = ("gradient", "tiles")
 _GROUP_KEY = "forge_rule_index"
-# The names of the rule hyperparameters a fused group holds; a group without it (a
-# checkpoint from before groups held them all) held the lr alone.
+# The names of the rule hyperparameters a fused group holds. A checkpoint's group without
+# it (saved before groups held them all) held the lr alone: Trainer.load_state_dict brings
+# it up to date (_bring_groups_up_to_date), so every group in use has it.
 _HELD_KEY = "forge_rule_hyperparameters"
 # What torch's schedulers move besides lr: OneCycleLR and CyclicLR cycle one of these.
 _SCHEDULED_MOMENTA = ("momentum", "betas")
@@ -636,8 +637,8 @@ class Trainer:
             if _GROUP_KEY not in group or "max_momentum" not in group:
                 continue
             rule = self.rules[group[_GROUP_KEY]]
-            held, rule_name = group.get(_HELD_KEY, ("lr",)), type(rule).__name__
-            if key not in held:
+            rule_name = type(rule).__name__
+            if key not in group[_HELD_KEY]:
                 raise ValueError(f"{name} cycles the {key!r} of every param group (cycle_momentum=True), the fused "
                                  f"{rule_name} group's too, but {rule_name} has no {key} (it has "
                                  f"{list(rule.hyperparameters())}): the cycle would be lost. Build the scheduler "
@@ -668,7 +669,7 @@ class Trainer:
         the record of this sync) for one fused group, checked; nothing is written."""
         index = group[_GROUP_KEY]
         rule, synced = self.rules[index], self._synced.get(index, {})
-        held = group.get(_HELD_KEY, ("lr",))
+        held = group[_HELD_KEY]
         own = rule.hyperparameters()
         values, adopted = {}, {}
         for name in held:
@@ -919,13 +920,18 @@ class Trainer:
         group), with values a rule refuses, or that a fused layer refuses (its state format,
         rule, hyperparameters: ``ForgeLinear``) raises before the model is loaded, the
         optimizer, scheduler and rules put back. (An error of torch's own model load, a
-        shape or a missing key, leaves the model as torch leaves it; the rest is put back.)"""
+        shape or a missing key, leaves the model as torch leaves it; the rest is put back.)
+        A fused group saved before groups held every hyperparameter held the lr alone: it
+        takes its rule's others, which the fused layers' records are then checked against."""
         if (state["scheduler"] is None) != (self.scheduler is None):
             raise ValueError(f"the checkpoint and this trainer disagree on having a scheduler; {NOTHING_LOADED}")
-        self._check_checkpoint_groups(state["optimizer"]["param_groups"])
+        # Before the optimizer's load, whose own error for another layout names nothing.
+        self._check_group_layout(state["optimizer"]["param_groups"])
         restore = self._state_restorer()
         try:
             self.optimizer.load_state_dict(state["optimizer"])
+            self._bring_groups_up_to_date()
+            self._check_group_rules()
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             # The loaded groups replace the old ones: the rules take their values (a scheduler's
@@ -939,18 +945,30 @@ class Trainer:
             raise
         self.last_norm = state["last_norm"]  # clipping='previous-norm' scales the next step by it
 
-    def _check_checkpoint_groups(self, saved_groups):
-        """Refuse a checkpoint whose param groups are not where this trainer's are, or whose
-        fused group holds the hyperparameter names of another rule than this trainer's (its
-        rule would be given values it has no name for). A group without the names (saved
-        before groups held them all) held the lr alone."""
+    def _check_group_layout(self, saved_groups):
+        """Refuse a checkpoint whose param groups are not where this trainer's are (saved by
+        another model or optimizer)."""
         saved, ours = ([_group_kind(group) for group in groups]
                        for groups in (saved_groups, self.optimizer.param_groups))
         if saved != ours:
             raise ValueError(f"the checkpoint's param groups are {saved}, this trainer's are {ours}: it was saved by "
                              f"another model or optimizer; {NOTHING_LOADED}")
-        for group in saved_groups:
-            if _HELD_KEY not in group:
+
+    def _bring_groups_up_to_date(self):
+        """A loaded fused group saved before groups held every hyperparameter held the lr
+        alone: it is given its rule's other hyperparameters (those the fused layers'
+        records are checked against) and their names, as the Trainer makes its groups."""
+        for group in self.optimizer.param_groups:
+            if _GROUP_KEY in group and _HELD_KEY not in group:
+                hyperparameters = self.rules[group[_GROUP_KEY]].hyperparameters()
+                group.update({name: value for name, value in hyperparameters.items() if name != "lr"})
+                group[_HELD_KEY] = tuple(hyperparameters)
+
+    def _check_group_rules(self):
+        """Refuse loaded fused groups holding the hyperparameter names of another rule than
+        this trainer's (its rule would be given values it has no name for)."""
+        for group in self.optimizer.param_groups:
+            if _GROUP_KEY not in group:
                 continue
             rule = self.rules[group[_GROUP_KEY]]
             names = list(rule.hyperparameters())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import forge_kernels as fk
+from forge_kernels.training import _HELD_KEY as HELD_KEY
 from forge_verify import assert_bitwise_equal
 
 # The momentum each torch optimizer has, as the group key OneCycleLR cycles.
@@ -301,6 +302,44 @@ def test_a_refused_checkpoint_changes_nothing(case, device):
     _assert_same_training_state(_training_state(model, trainer), before)
     trainer.step(_loss(model, device, 2))
     assert all(int(layer.forge_step) == 2 for layer in fk.fused_layers(model))
+
+
+def test_a_fused_group_saved_before_it_held_every_hyperparameter_loads_and_steps(device):
+    """A checkpoint whose fused group holds the lr alone (saved before groups held every
+    hyperparameter: no names, the torch optimizer's defaults where add_param_group put
+    them) is brought up to date by the load: the group takes the rule's other
+    hyperparameters, and OneCycleLR's cycled beta1 then reaches the rule at every step
+    (every step raised "'betas' was moved ... but AdamW has no betas (it has ['lr',
+    'betas', ...])" before)."""
+    model = _model(device)
+    rule, optimizer = _build("AdamW", model, 0.1)
+    trainer = fk.Trainer(model, optimizer, scheduler=_one_cycle)
+    trainer.step(_loss(model, device, 0))
+    saved = copy.deepcopy(trainer.state_dict())
+    fused_group = saved["optimizer"]["param_groups"][1]
+    for name in fused_group.pop(HELD_KEY):
+        if name != "lr":
+            fused_group[name] = optimizer.defaults[name]
+    fused_group["weight_decay"] = 0.5  # not the rule's: the load must not take it
+
+    resumed = _model(device, seed=1)
+    resumed_rule, resumed_optimizer = _build("AdamW", resumed, 0.1)
+    resumed_trainer = fk.Trainer(resumed, resumed_optimizer, scheduler=_one_cycle)
+    own = resumed_rule.hyperparameters()
+    # The layers' records of that time cannot be checked: vouched for, as their refusal says.
+    for name, layer in resumed.named_modules():
+        if isinstance(layer, fk.ForgeLinear):
+            saved["model"][f"{name}._extra_state"] = layer.get_extra_state()
+    resumed_trainer.load_state_dict(saved)
+    group = resumed_trainer.optimizer.param_groups[1]
+    assert resumed_rule.hyperparameters() == {**own, "lr": saved["optimizer"]["param_groups"][1]["lr"]}
+    for step in range(1, 4):
+        betas = resumed_rule.betas
+        resumed_trainer.step(_loss(resumed, device, step))
+        assert resumed_rule.betas == tuple(group["betas"]) != betas  # cycled, and given to the rule
+        assert resumed_rule.weight_decay == own["weight_decay"]
+    assert all(int(layer.forge_step) == 4 for layer in fk.fused_layers(resumed))
+    assert tuple(group[HELD_KEY]) == tuple(own)
 
 
 def test_reduce_lr_on_plateau_is_refused_as_scheduler_and_works_stepped_by_hand(device):
