@@ -506,7 +506,9 @@ class Trainer:
       computed as ``clip_grad_norm_(..., foreach=False)`` computes them. The second
       forward/backward takes the fused steps with the gradient multiplied by that factor
       in the kernel. Cost: one extra forward and backward, one weight-gradient GEMM per
-      layer, and transient memory of the largest layer's fp32 gradient.
+      layer, transient memory of the largest layer's fp32 gradient, and host
+      synchronizations: one for the clip factor, and one per micro-batch (its stepping
+      pass's loss compared with the norm pass's before the backward, ``_check_repeated_pass``).
     * ``clipping="previous-norm"``: APPROXIMATE, one pass. Step t is scaled by the clip
       factor of step t-1's global norm (step 1 clips exactly); each layer's gradient is
       materialized transiently for its norm and the step taken from it. A gradient spike
