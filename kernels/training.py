@@ -911,7 +911,10 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The whole training state: the model (weights, fused state, step counts, rounding
-        seeds), the torch optimizer (with the fused groups' learning rates) and the scheduler."""
+        seeds, and each fused layer's record of its rule: the class and its hyperparameters
+        but the lr), the torch optimizer (its fused groups hold every hyperparameter of
+        their rules, the lr and any scheduled momentum among them), the scheduler and the
+        last global norm."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "last_norm": self.last_norm}
