@@ -6,6 +6,9 @@ The checkout's ``conftest.py`` loads it for ``make test``; ``forge-verify check`
 with ``-p``, so the properties also run from an installed package, where no conftest is.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,15 +31,34 @@ MARKERS = (
     "slow: long sweeps, left out of the default run (select with -m slow)",
 )
 
+
+def _outside_the_project() -> str:
+    """A warning filter's module field matching every file but the project's own. For a
+    warning the compiler raises, the module the filter matches (``re.match``, from the
+    start) is the compiled file's path without ``.py``; the project's own files are
+    ``forge_kernels``'s and ``forge_verify``'s and, in a checkout, its tests, properties and
+    benchmarks. Third-party code lies in site-packages or, on the lent GPU machine, wherever
+    ``pip install --target`` put it, so the field names what it excludes."""
+    here = Path(__file__).parent
+    own = {here, Path(fk.__file__).parent}
+    if (here.parent / "pyproject.toml").is_file():  # a checkout, not site-packages
+        own |= {here.parent / name for name in ("tests", "properties", "benchmarks")}
+    own |= {path.resolve() for path in own}
+    # ':' separates a filter's fields; '.' matches it as well
+    paths = "|".join(sorted(re.escape(str(path)).replace(":", ".") for path in own))
+    return rf"(?!({paths})[\\/])"  # no "(?:": its colon would end the field
+
+
 WARNING_FILTERS = (
     "error",
     "ignore::DeprecationWarning:triton.*",
     # A third-party module compiled from source (no bytecode cache: pip's --no-compile, or
     # PYTHONDONTWRITEBYTECODE) warns of its own invalid string escapes, DeprecationWarning
-    # on Python 3.11 and SyntaxWarning from 3.12; as errors they made importing it
-    # (torchao, through transformers) fail depending on whether a .pyc already existed
-    "ignore:invalid escape sequence:DeprecationWarning",
-    "ignore:invalid escape sequence:SyntaxWarning",
+    # on Python 3.11 and SyntaxWarning from 3.12 (the H200's Python); as errors they made
+    # importing it (torchao, through transformers) fail depending on whether a .pyc already
+    # existed. The project's own files must compile clean, so there they stay errors.
+    f"ignore:invalid escape sequence:DeprecationWarning:{_outside_the_project()}",
+    f"ignore:invalid escape sequence:SyntaxWarning:{_outside_the_project()}",
     # torch's autograd thread issues its first cuBLAS call on GPU before a context is current; benign
     "ignore:Attempting to run cuBLAS, but there was no current CUDA context:UserWarning",
 )
