@@ -148,12 +148,12 @@ def quadrature_rounding_bound(magnitude, d: int, operations: int, degree: int) -
     evaluation takes at most ``operations`` roundings along any path and is within
     γ_operations of ``magnitude(u)`` (f with every coefficient and term made
     non-negative, evaluated at |u|): γ_N Σ_nodes w · magnitude(|u|) with N =
-    operations + degree + 2d + 3^d + 1 (proofs/zeroth_order.md, "Rounding in the exact
-    tests")."""
+    operations + degree + 2d + 3^d + 1, the sum (computed by the same rule) multiplied
+    by 1 + 2γ_N (proofs/zeroth_order.md, "Rounding in the exact tests")."""
     u64 = UNIT_ROUNDOFF[torch.float64]
     total = gaussian_expectation(lambda u: magnitude(u.abs()), d)
     n = operations + degree + 2 * d + 3**d + 1
-    return gamma(n, u64) * total * (1 + gamma(3**d + 2 * d + operations, u64))
+    return gamma(n, u64) * total * (1 + 2 * gamma(n, u64))  # the sum's own rounding: 1/(1 - γ_n) ≤ 1 + 2γ_n
 
 
 def _u64_gamma(n: int) -> float:
