@@ -245,10 +245,13 @@ def _step_lr(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
-def _trained(device, rule, seed, state_format="fp32"):
-    # The last Linear unfused: a load that goes ahead loads it whatever the fused layers refuse.
-    model = fk.fuse(_model(device, seed=seed), rule, state_format=state_format, exclude=("2",))
-    trainer = fk.Trainer(model, torch.optim.AdamW(fk.unfused_parameters(model), lr=0.1), scheduler=_step_lr)
+def _trained(device, rule, seed, state_format="fp32", bias=True):
+    # With biases the last Linear unfused: a load that goes ahead loads it whatever the fused
+    # layers refuse. Without them every Linear fused: no torch optimizer, the groups' layout
+    # the Trainer's own optimizer's.
+    model = fk.fuse(_model(device, bias, seed), rule, state_format=state_format, exclude=("2",) if bias else ())
+    params = fk.unfused_parameters(model)
+    trainer = fk.Trainer(model, torch.optim.AdamW(params, lr=0.1) if params else None, scheduler=_step_lr)
     trainer.step(_loss(model, device, seed))
     return model, trainer
 
@@ -272,16 +275,23 @@ def _assert_same_training_state(state, expected):
     assert scheduler == scheduler_0 and rules == rules_0
 
 
-# (the checkpoint's rule and state format, this trainer's, the refusal): a checkpoint of
-# another rule is refused by the Trainer (its fused group's hyperparameter names), one of
-# another state format by the fused layers' record, each before anything is loaded.
+# (the checkpoint's rule, state format and biases, this trainer's, the refusal): a
+# checkpoint of another rule is refused by the Trainer (its fused group's hyperparameter
+# names), one of another group layout by the Trainer too (a model without biases has no
+# unfused group), one of another state format by the fused layers' record, each before
+# anything is loaded.
 REFUSED_CHECKPOINTS = {
-    "another-rule": ((lambda: fk.AdamW(lr=0.05, weight_decay=0.3), "fp32"),
-                     (lambda: fk.SGD(lr=0.1, momentum=0.9), "fp32"), ValueError,
+    "another-rule": ((lambda: fk.AdamW(lr=0.05, weight_decay=0.3), "fp32", True),
+                     (lambda: fk.SGD(lr=0.1, momentum=0.9), "fp32", True), ValueError,
                      r"the checkpoint's fused group 0 holds the hyperparameters \['lr', 'betas', 'eps', "
                      r"'weight_decay'\] of another rule: this trainer's SGD has \['lr', 'momentum', 'dampening', "
                      r"'weight_decay', 'nesterov'\].*nothing was loaded"),
-    "another-state-format": ((lambda: fk.AdamW(lr=0.05), "fp32"), (lambda: fk.AdamW(lr=0.1), "bf16"), RuntimeError,
+    "another-layout": ((lambda: fk.AdamW(lr=0.05), "fp32", False), (lambda: fk.AdamW(lr=0.1), "fp32", True),
+                       ValueError, r"the checkpoint's param groups are \['fused rule 0'\], this trainer's are "
+                       r"\['unfused', 'fused rule 0'\]: it was saved by another model or optimizer; "
+                       r"nothing was loaded"),
+    "another-state-format": ((lambda: fk.AdamW(lr=0.05), "fp32", True), (lambda: fk.AdamW(lr=0.1), "bf16", True),
+                             RuntimeError,
                              r"\(nothing was loaded\):\n\tfused layer '0' .*expected bf16 state of AdamW, found fp32 "
                              r"state of AdamW"),
 }
@@ -293,9 +303,9 @@ def test_a_refused_checkpoint_changes_nothing(case, device):
     the model, the optimizer, the scheduler and the rules stay as they were, and training
     goes on from there (a checkpoint of AdamW loaded into an SGD trainer gave a bare
     KeyError 'betas', the SGD rule's lr changed, and every later step raised it again)."""
-    (make_saved, saved_format), (make_rule, state_format), error, message = REFUSED_CHECKPOINTS[case]
-    _, saved = _trained(device, make_saved(), seed=0, state_format=saved_format)
-    model, trainer = _trained(device, make_rule(), seed=1, state_format=state_format)
+    (make_saved, saved_format, saved_bias), (make_rule, state_format, bias), error, message = REFUSED_CHECKPOINTS[case]
+    _, saved = _trained(device, make_saved(), seed=0, state_format=saved_format, bias=saved_bias)
+    model, trainer = _trained(device, make_rule(), seed=1, state_format=state_format, bias=bias)
     before = _training_state(model, trainer)
     with pytest.raises(error, match=message):
         trainer.load_state_dict(saved.state_dict())
