@@ -75,9 +75,11 @@ class _Enclosure(_ValueMethods):
         return Interval.exact(t.detach().cpu())
 
 
-#: a bound's own evaluation is at most six float64 operations on non-negative terms, within
-#: (1 + u64)^6 of its real value; this factor makes it an upper bound, with room for a bound
-#: taken along another evaluation's values (proofs/reference_enclosure.md)
+#: a bound's own evaluation is at most eight float64 operations on non-negative terms: seven
+#: for a product (``|a| e_b + |b| e_a + e_a e_b + unit |result|``) or a quotient, then the
+#: multiply by this factor. So the computed bound is at least (1 + 16 u64)(1 - u64)^8 > 1 + 7 u64
+#: times its real value: an upper bound, with room for a bound taken along another evaluation's
+#: values (proofs/reference_enclosure.md)
 _BOUND_MARGIN = 1 + 16 * UNIT_ROUNDOFF[torch.float64]
 
 
