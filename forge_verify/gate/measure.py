@@ -67,8 +67,8 @@ def _enclosure_statistics(enclosures: dict, values: dict) -> dict:
 
 def enclosure_measure(case, device, backend: str) -> tuple:
     """Run ``case`` against its enclosure: (inputs, weight, enclosure of the weight,
-    {"fingerprints": ..., "statistics": ...}) with the statistics that need no exact
-    trajectory."""
+    {"inputs": ..., "fingerprints": ..., "statistics": ...}), the dict with the inputs'
+    fingerprint (``inputs_fingerprint``) and the statistics that need no exact trajectory."""
     rule, regime = case.rule, case.regime
     inputs = make_inputs(case.problem, device, regime)
     weight, state, w_ref, _, w_enc, s_enc = enclosed_run(inputs, rule, CONFIG, regime, backend)
