@@ -10,10 +10,20 @@ import torch
 import torch.distributed as dist
 
 
+def serving_backend(device_type: str, group=None) -> str | None:
+    """The backend by which ``group`` reduces ``device_type`` tensors (None: none). Not
+    ``dist.get_backend``: that names one backend only for a group made with one name, and
+    a group made without (``init_process_group()``) reports "undefined" though it has its
+    machine's backends (gloo for CPU tensors without an accelerator; on a CUDA machine,
+    torch 2.11, NCCL alone)."""
+    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl"; a name alone, as "gloo", is expanded
+    return dict(pair.split(":", 1) for pair in config.split(",")).get(device_type)
+
+
 def wire_device(group=None) -> torch.device:
-    """The GPU for NCCL, the CPU for gloo (``group`` None: the default group)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
+    """The CPU where a backend of ``group`` reduces CPU tensors (gloo), else the current GPU
+    (NCCL alone) (``group`` None: the default group)."""
+    return torch.device("cpu") if serving_backend("cpu", group) else torch.device("cuda", torch.cuda.current_device())
 
 
 _INTEGERS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -61,6 +71,12 @@ def refused_together(group, what: str):
         yield
     except Exception as error:  # whatever stopped this rank must stop the others too
         failure = error
+    # One small all-reduce when every rank passed (the common case, once per call); the
+    # messages are gathered (pickled) only when some rank failed.
+    failed_anywhere = torch.tensor([failure is not None], dtype=torch.int32, device=wire_device(group))
+    dist.all_reduce(failed_anywhere, op=dist.ReduceOp.MAX, group=group)
+    if not failed_anywhere.item():
+        return
     verdicts = gathered(None if failure is None else f"{type(failure).__name__}: {failure}", group)
     if failure is not None:
         raise failure

@@ -283,7 +283,8 @@ class _SecondRankOfTwo:
 
     def __init__(self, monkeypatch, rank: int):
         self.rank, self.devices = rank, []
-        for name, value in (("get_backend", lambda group=None: "gloo"), ("get_world_size", lambda group=None: 2),
+        for name, value in (("get_backend_config", lambda group=None: "cpu:gloo,cuda:gloo"),
+                            ("get_world_size", lambda group=None: 2),
                             ("get_rank", lambda group=None: 1), ("get_process_group_ranks", lambda group: [0, 1]),
                             ("all_reduce", self.all_reduce), ("broadcast", self.broadcast)):
             monkeypatch.setattr(torch.distributed, name, value)
@@ -380,3 +381,17 @@ def test_overlap_follows_the_backend_serving_the_gradients_device(group_made_wit
         with pytest.raises(ValueError, match="overlap=True reduces on a thread"):
             fk.gift.GiftState(None, "e4m3", layers=(), overlap=True).overlapping(torch.device("cpu"))
     assert not fk.gift.GiftState(None, "e4m3", layers=()).overlapping(torch.device("meta"))
+
+
+@pytest.mark.parametrize("config, expected", [("cpu:gloo", "cpu"), ("cpu:gloo,cuda:gloo", "cpu"),
+                                              ("cpu:gloo,cuda:nccl", "cpu"), ("cuda:nccl", "cuda")])
+def test_bookkeeping_collectives_go_where_the_group_serves_them(config, expected, monkeypatch):
+    """Counts, flags and factor ranks travel on the CPU where a backend of the group serves
+    CPU tensors, else on the current GPU: also for a group made without a backend name,
+    which ``get_backend`` calls "undefined" (torch 2.11 gives it ``cuda:nccl`` alone on a
+    CUDA machine: the whitening's counts went to the CPU there, which nothing served)."""
+    from forge_kernels._collectives import wire_device
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert wire_device().type == expected

@@ -71,6 +71,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from .._collectives import serving_backend
 from ..errors import NonFiniteInputError
 from .codecs import CODECS
 from .selection import RangeHitSelection
@@ -79,15 +80,6 @@ from .whitening import CovarianceTracker, Whitening, agreed_whitening, check_ran
 
 WIRE_FORMATS = ("e4m3", "e5m2", "nvfp4", "fp32")
 EXCHANGES = ("reduce_scatter", "all_gather")
-
-
-def serving_backend(device_type: str, group=None) -> str | None:
-    """The backend by which ``group`` reduces ``device_type`` tensors (None: none). Not
-    ``dist.get_backend``: that names one backend only for a group made with one name, and
-    a group made without (``init_process_group()``) reports "undefined" though gloo serves
-    its CPU tensors (and NCCL its CUDA ones)."""
-    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl"; a name alone, as "gloo", is expanded
-    return dict(pair.split(":", 1) for pair in config.split(",")).get(device_type)
 
 
 class GiftState:
