@@ -58,7 +58,7 @@ def linear_split_step(parts, weight, state, rule, step, *, group=None, config=No
     has stepped: a refusal anywhere (bad arguments, NaN or infinity in a part, a tile
     whose step overflows) raises on every rank of ``group`` with ``weight`` and ``state``
     unchanged on all of them. Memory: one copy of the weight and its state for the sum,
-    and one more for the steps on zeros (every part but the group's first)."""
+    and, for a rank with more than one part, one more for the later parts' steps."""
     # No autograd history: the weight may be a Parameter that requires grad, which the
     # kernels write in place as the optimizer's step does.
     with torch.no_grad():
@@ -84,13 +84,14 @@ def _summed_steps(parts, weight, state, rule, step, config, first: bool):
         raise TypeError("linear_split_step adds steps in the storage format: it needs fp32 weight and state "
                         "(a bf16 or q8 sum would round once more per part)")
     check_fused_parts(parts, weight, state, rule, config)  # before the first launch
-    contributions = list(parts)
     if first:
         total_weight, total_state = weight.clone(), {key: tensor.clone() for key, tensor in state.items()}
-        x, dy = contributions.pop(0)
-        fused_weight_update(x, dy, total_weight, total_state, rule, step, config=config)
     else:
         total_weight, total_state = torch.zeros_like(weight), {key: torch.zeros_like(t) for key, t in state.items()}
+    # The first part steps the total itself: on zeros that is the step on zeros added to
+    # zero, bit for bit (a step on zeros is never -0.0, and 0 + v is v).
+    (x, dy), *contributions = parts
+    fused_weight_update(x, dy, total_weight, total_state, rule, step, config=config)
     if contributions:
         zero_weight = torch.empty_like(weight)
         zero_state = {key: torch.empty_like(tensor) for key, tensor in state.items()}
