@@ -479,13 +479,10 @@ class GiftState:
         error gives the line that vouches for it, naming this state ``holder``, as the
         fused layers' refusal of a checkpoint without its rule's record does."""
         mine = self.configuration()
-        unrecorded = list(mine) if saved is None else [key for key in mine if key not in saved]
-        if unrecorded:
-            what, kept = (("no configuration", "the configuration was") if saved is None
-                          else (f"no {', '.join(unrecorded)}", "they were"))
+        if saved is None or any(key not in saved for key in mine):
             shown = ", ".join(f"{key}={value!r}" for key, value in mine.items())
-            raise ValueError(f"the GIFT state records {what} (it was saved before {kept} kept), so "
-                             f"it cannot be checked against this state's ({shown}); refused, this state is left as "
+            raise ValueError("the GIFT state records no configuration, or not all of it (it was saved before it was "
+                             f"kept), so it cannot be checked against this state's ({shown}); refused, this state is left as "
                              "it was. If it was saved with these arguments, give it their record: "
                              f"saved['config'] = {holder}.configuration()")
         if saved != mine:
