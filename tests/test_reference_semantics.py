@@ -14,10 +14,7 @@ import torch
 
 import forge_kernels as fk
 from forge_verify.checks.catalog import reference_step
-from forge_verify.numerics.reference import POINT, RUNNING_ERROR, running_error
-
-#: torch.optim's evaluation: every operation within one float64 ulp
-TORCH_OPTIM = running_error(2)
+from forge_verify.numerics.reference import POINT, RUNNING_ERROR, TORCH_OPTIM
 
 CASES = [
     (fk.AdamW(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),

@@ -160,6 +160,9 @@ def running_error(rounded_operations: int = 1) -> _RunningError:
 POINT = _Point()
 ENCLOSURE = _Enclosure()
 RUNNING_ERROR = running_error()
+#: torch.optim's float64 evaluation (its single-tensor code): every operation within one
+#: float64 ulp (proofs/reference_enclosure.md, "Two float64 evaluations of one rule")
+TORCH_OPTIM = running_error(2)
 
 
 def adamw(A, w, g, s, rule, step):
