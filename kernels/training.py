@@ -413,9 +413,9 @@ class _MicroBatchSteps:
     knows which layers have added part of its sum (``holding``) and, after an error,
     stops those whose weight did not step (``stop_partial``)."""
 
-    def __init__(self, layers, micro_batches: int):
+    def __init__(self, micro_batches: int, steps_before: dict):
         self.last = micro_batches - 1
-        self.steps_before = {layer: layer._counters()[0] for layer in layers}
+        self.steps_before = steps_before  # each layer's step count before this step
         self.called = set()  # the layers called so far in this step
         self.weight_stepped = set()  # the layers whose weight step is launched
         self.accumulating = set()  # the layers whose latest phase adds into the buffer, unchecked
@@ -716,7 +716,7 @@ class Trainer:
             elif self.max_norm is not None:
                 losses = self._clipped_fused_step(closures)
             else:
-                losses = self._fused_step(closures)
+                losses = self._fused_step(closures, steps_before)
             # The fused steps were deferred: their outcome, read once for every layer.
             check_updates(self.model)
         except BaseException as error:
@@ -784,10 +784,10 @@ class Trainer:
         for layer in self.layers:
             layer.forge_backward = action
 
-    def _fused_step(self, closures):
+    def _fused_step(self, closures, steps_before):
         if len(closures) == 1:
             return self._run(closures, lambda index: _deferred_step)
-        steps = _MicroBatchSteps(self.layers, len(closures))
+        steps = _MicroBatchSteps(len(closures), steps_before)
         try:
             losses = self._run(closures, steps.backward_for)
             steps.finish(self.layers)
