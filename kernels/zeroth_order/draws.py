@@ -163,6 +163,21 @@ def fits_one_stream(last_counter: int) -> bool:
     return last_counter < MAX_COUNTER
 
 
+def last_counter(cols: int, rows: int = 1, row_offset: int = 0, col_offset: int = 0, full_cols: int = 1) -> int:
+    """The last counter a (rows × cols) block at (row_offset, col_offset) of a row-major
+    whole of ``full_cols`` columns draws at: its last element's index in the whole (a
+    vector is one row: ``cols`` elements from ``col_offset``)."""
+    return (row_offset + rows - 1) * full_cols + col_offset + cols - 1
+
+
+def check_fits_one_stream(method: str, name: str, drawn: str, last: int) -> None:
+    """Refuse parameter ``name``, whose ``drawn`` (U, z) reaches counter ``last``, when
+    that is past a stream's 2**32 counters."""
+    if not fits_one_stream(last):
+        raise ValueError(f"{method}: parameter '{name}' draws {drawn} at counters up to {last} (its place in the "
+                         f"whole, shards), past a stream's 2**32 counters")
+
+
 class CallDraws:
     """The draws of one call (seed, call) for any target: U regenerated on request, row
     by row (never stored), and each example's signs (small, cached for the call). A

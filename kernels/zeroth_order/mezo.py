@@ -31,7 +31,7 @@ from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import draw_kernel, mezo_kernel
 from .common_random import SameRandomNumbers
-from .draws import BASE, fits_one_stream, kernels_for, standard_normal, stream_key
+from .draws import BASE, check_fits_one_stream, kernels_for, last_counter, standard_normal, stream_key
 from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, unmoved_message
 from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, check_state, hyperparameter
 from .targets import SUPPORTED_DTYPES, check_shards
@@ -100,10 +100,7 @@ class MeZO(OneGroupOptimizer):
             raise ValueError(f"MeZO: parameter '{name}' is not contiguous (shape {tuple(param.shape)}, "
                              f"strides {param.stride()}); it is shifted in place through a flat view: "
                              f"make it contiguous (nn.Parameter(p.contiguous()))")
-        _, last = self._layout(name, param)
-        if not fits_one_stream(last):
-            raise ValueError(f"MeZO: parameter '{name}' draws z at counters up to {last} (its place in the "
-                             f"whole, shards), past a stream's 2**32 counters")
+        check_fits_one_stream("MeZO", name, "z", self._layout(name, param)[1])
 
     @staticmethod
     def _work(param):
@@ -133,9 +130,7 @@ class MeZO(OneGroupOptimizer):
             layout = dict(cols=param.shape[1], row_offset=shard.offset[0], full_cols=shard.full_shape[1],
                           col_offset=shard.offset[1])
         rows = max(1, param.numel() // max(1, layout["cols"]))
-        last = (layout.get("row_offset", 0) + rows - 1) * layout.get("full_cols", 1) + \
-            layout.get("col_offset", 0) + layout["cols"] - 1
-        return layout, last
+        return layout, last_counter(rows=rows, **layout)
 
     def _blocks(self, name, param):
         """(flat view of a block, z of that block in the work dtype) over the parameter:

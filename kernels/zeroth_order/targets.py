@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draws import COL, ROW, fits_one_stream
+from .draws import COL, ROW, check_fits_one_stream, last_counter
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _SUPPORTED_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
@@ -93,8 +93,8 @@ class Target:
     def last_base_counter(self) -> int:
         """The last counter of U: its last element's row-major index in the whole."""
         if not self.is_matrix:
-            return self.row_offset + self.rows - 1
-        return (self.row_offset + self.rows - 1) * self.full_cols + self.col_offset + self.cols - 1
+            return last_counter(self.rows, col_offset=self.row_offset)
+        return last_counter(self.cols, self.rows, self.row_offset, self.col_offset, self.full_cols)
 
     @property
     def work_dtype(self) -> torch.dtype:
@@ -151,10 +151,7 @@ def find_targets(model: nn.Module, method: str, shards=None) -> list:
         target.shard = checked.get(target.name)
         # U is drawn whole by the update but only in part by an embedding's hook (its used
         # rows): an overflow would surface after other targets had been updated
-        if not fits_one_stream(target.last_base_counter):
-            raise ValueError(f"{method}: parameter '{target.name}' draws U at counters up to "
-                             f"{target.last_base_counter} (its place in the whole, shards), past a "
-                             f"stream's 2**32")
+        check_fits_one_stream(method, target.name, "U", target.last_base_counter)
     return targets
 
 
