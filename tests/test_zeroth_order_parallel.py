@@ -25,7 +25,7 @@ BATCH, STEPS, WORLD = 4, 3, 2
 def test_two_data_parallel_ranks_give_the_single_process_step(method, rank_pool):
     """3 steps: both ranks' parameters equal the single process's, bitwise (MeZO: the
     single process's loss is the mean of the two halves' means, as the all-reduce forms it)."""
-    single = zeroth_order_steps(method, STEPS, batch_invariant_data(BATCH), world=WORLD)
+    single = zeroth_order_steps(method, STEPS, batch_invariant_data(BATCH), sizes=[BATCH // WORLD] * WORLD)
     start = zeroth_order_steps(method, 0, batch_invariant_data(BATCH))
     assert any(not torch.equal(single[n], start[n]) for n in single), "the steps moved nothing"
     for rank, params in enumerate(rank_pool(WORLD).run(jobs.data_parallel_steps, method, STEPS, BATCH)):

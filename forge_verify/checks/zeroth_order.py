@@ -451,11 +451,11 @@ def mean_of_rank_means(losses: torch.Tensor, sizes: list) -> torch.Tensor:
     return total / len(sizes)
 
 
-def zeroth_order_steps(method: str, steps: int, data: tuple, world: int = 1, group=None, sizes=None) -> dict:
+def zeroth_order_steps(method: str, steps: int, data: tuple, group=None, sizes=None) -> dict:
     """The parameters of ``BatchInvariantModel`` after ``steps`` steps on ``data`` (this
     process's examples), as {name: tensor}. Single process (``group`` None): MeZO's loss
-    is that of ``world`` ranks with equal slices, or with local batches ``sizes``."""
-    sizes = sizes or [len(data[0]) // world] * world
+    is that of ranks with local batches ``sizes`` (None: one rank holding all of ``data``)."""
+    sizes = sizes or [len(data[0])]
     model = BatchInvariantModel()
     opt = zeroth_order_optimizer(method, model, group)
     if method == "GRZO":
