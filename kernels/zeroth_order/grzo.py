@@ -159,7 +159,8 @@ class GRZO(OneGroupOptimizer):
         randomness = SameRandomNumbers(t.param for t in self.targets)
         with torch.no_grad():
             for sign in (1, -1):
-                randomness.rewind()  # the same dropout masks in both forwards
+                if sign == -1:
+                    randomness.rewind()  # the first forward's dropout masks again
                 with Perturbed(self.targets, draws, self.sigma, sign, self.block_elements,
                                self.data_rank) as hooks:
                     losses.append(per_example_losses(closure()))
