@@ -145,9 +145,9 @@ def median_of_means_groups(false_alarm: float) -> int:
     return groups
 
 
-def median_of_means(values: "torch.Tensor", groups: int) -> float:
-    """The median of the means of ``groups`` consecutive equal groups of ``values`` (the
-    last len(values) mod groups values are left out)."""
+def median_of_means(values, groups: int) -> float:
+    """The median of the means of ``groups`` consecutive equal groups of ``values`` (a 1-D
+    torch tensor; the last len(values) mod groups values are left out)."""
     size = len(values) // groups
     return float(values[:size * groups].reshape(groups, size).mean(1).median())
 
