@@ -1,7 +1,20 @@
 """Errors raised by the kernels' launchers: by the call itself (``report="raise"``), or
 later by ``UpdateReport.check()``, ``ForgeLinear.forge_check()`` or
 ``fk.check_updates(model)`` (``report="defer"``). The kernels decide what is written
-either way; only when the host is told differs."""
+either way; only when the host is told differs. ``check_nonnegative``: the argument check
+the zeroth-order optimizers and GIFT's whitening share."""
+
+import math
+import numbers
+
+
+def check_nonnegative(name, value, positive=False):
+    """``value`` as a float, refusing (ValueError naming ``name``) anything but a finite real
+    number ≥ 0 (> 0 when ``positive``); NaN, which a plain ``< 0`` lets pass, included."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
+    return float(value)
 
 
 class NonFiniteInputError(FloatingPointError):

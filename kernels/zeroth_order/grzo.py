@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import NoStepWarning, NonFiniteLossError
+from ..errors import NoStepWarning, NonFiniteLossError, check_nonnegative
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import update_kernel
 from .common_random import SameRandomNumbers
 from .draws import BASE, COL, ROW, CallDraws
-from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, check_state, hyperparameter
+from .param_group import OneGroupOptimizer, check_positive, check_state, hyperparameter
 from .targets import Perturbed, find_targets, row_blocks
 
 NORMALIZATIONS = ("std", "none")

@@ -26,14 +26,14 @@ import warnings
 
 import torch
 
-from ..errors import NoStepWarning, NonFiniteLossError
+from ..errors import NoStepWarning, NonFiniteLossError, check_nonnegative
 from ..ops.stochastic_round import check_seed
 from . import data_parallel
 from . import draw_kernel, mezo_kernel
 from .common_random import SameRandomNumbers
 from .draws import BASE, check_fits_one_stream, kernels_for, last_counter, standard_normal, stream_key
 from .grzo import BLOCK_ELEMENTS, ZerothOrderStep, _check_block_elements, unmoved_message
-from .param_group import OneGroupOptimizer, check_nonnegative, check_positive, check_state, hyperparameter
+from .param_group import OneGroupOptimizer, check_positive, check_state, hyperparameter
 from .targets import SUPPORTED_DTYPES, check_shards
 
 

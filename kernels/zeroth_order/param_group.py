@@ -5,18 +5,10 @@ scheduler (``LambdaLR``, ``StepLR``, ``OneCycleLR(cycle_momentum=False)``, ...) 
 group first (a scheduler may have written a negative or non-finite value): a bad value
 is refused naming it, with nothing written."""
 
-import math
-
 import torch
 
+from ..errors import check_nonnegative
 from ..ops.stochastic_round import check_seed
-
-
-def check_nonnegative(name, value, positive=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
-    return float(value)
 
 
 def check_positive(name, value):
