@@ -23,7 +23,6 @@ the group's first rank only, broadcast into factors of the same shape on the oth
 
 import contextlib
 import hashlib
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .._collectives import wire_device
+from ..errors import check_nonnegative
 
 
 def full_precision(device_type: str):
@@ -48,9 +48,7 @@ def check_rank_and_damping(rank, damping) -> None:
     ``< 0`` and make every factor NaN)."""
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
         raise ValueError(f"rank must be an integer >= 0 (0: T = I / sigma), got {rank!r}")
-    if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not math.isfinite(damping) \
-            or damping < 0:
-        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+    check_nonnegative("damping", damping)
 
 
 @dataclass
