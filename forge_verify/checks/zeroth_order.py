@@ -171,30 +171,43 @@ def _abs_closed_form(base: torch.Tensor, magnitudes: torch.Tensor) -> float:
     return float((diagonal + cross) / batch**2)
 
 
+def _law_bound(quadrature: float, n: int, size: float, m: int) -> float:
+    """Q (1 + u) + γ_n S, S the exact size that ``size`` computes from |g| with m roundings
+    on any monomial (non-negative terms, so S ≤ size/(1 − γ_m)), evaluated in float64 as
+    (Q + γ_n size)(1 + 2γ_{m+5}): the five are γ_n's two roundings, the product, the sum
+    and the last product; 1 + 2γ_k as computed times 1 − γ_k is at least 1 + u for 4 ≤ k,
+    γ_k ≤ ⅕ (proofs/zeroth_order.md, "Rounding in the exact tests", "The laws")."""
+    return (quadrature + _u64_gamma(n) * size) * (1 + 2 * _u64_gamma(m + 5))
+
+
 def grzo_law_rounding_bound(grads: torch.Tensor) -> float:
     """A bound on |got - law| in test_variance_law_is_the_gaussian_mean_of_the_second_moment
     (got: the quadrature of ``grzo_conditional_second_moment`` less ‖ḡ‖², law:
     ``grzo_trace_variance``, both from the same float64 ``grads``): the quadrature's
     rounding (its closed form takes at most Bd + B + 2d + 10 roundings along a path, and
-    is of degree 4 in U), plus γ_{2B+2d+6} of every term of ‖ḡ‖² and of the law
-    (proofs/zeroth_order.md, "Rounding in the exact tests")."""
+    is of degree 4 in U), times 1 + u for the subtraction, plus γ_n of the size of ‖ḡ‖²
+    and of the law, n = max(B + d + 4, 2B + d + 2) (proofs/zeroth_order.md, "Rounding in
+    the exact tests", "The laws")."""
     batch, d = grads.shape
     magnitudes = grads.abs()
     quadrature = quadrature_rounding_bound(lambda u: _abs_closed_form(u, magnitudes), d,
                                            batch * d + batch + 2 * d + 10, 4)
+    # the sizes by the compared numbers' own operations, at |g|: n roundings on any monomial
     mean_sizes = float((magnitudes.mean(0) ** 2).sum())
     law_size = (d - 1) / batch * float((grads ** 2).sum(1).mean()) + 2 * mean_sizes
-    return quadrature + _u64_gamma(2 * batch + 2 * d + 6) * (law_size + mean_sizes) * (1 + _u64_gamma(2 * d))
+    n = max(batch + d + 4, 2 * batch + d + 2)
+    return _law_bound(quadrature, n, law_size + mean_sizes, n)
 
 
 def mezo_law_rounding_bound(mean_grad: torch.Tensor) -> float:
-    """The same for MeZO's test: ``mezo_squared_norm`` takes d + 2 roundings along a
-    path (two dot products, a square, a product), degree 4 in z; the law (d + 1)‖ḡ‖²
-    and ‖ḡ‖² within γ_{d+3} of themselves."""
+    """The same for MeZO's test: ``mezo_squared_norm`` takes 3d + 2 roundings on any
+    monomial (two dot products of d, the square, the product), degree 4 in z; plus
+    γ_{d+2} of (d + 2)‖ḡ‖², the size of got's ‖ḡ‖² and of the law (d + 1)‖ḡ‖², whose
+    computed value takes d + 1 roundings."""
     d = mean_grad.numel()
     magnitudes = mean_grad.abs()
-    quadrature = quadrature_rounding_bound(lambda z: float((z @ magnitudes) ** 2 * (z @ z)), d, d + 2, 4)
-    return quadrature + _u64_gamma(d + 3) * (d + 2) * float((mean_grad ** 2).sum()) * (1 + _u64_gamma(d))
+    quadrature = quadrature_rounding_bound(lambda z: float((z @ magnitudes) ** 2 * (z @ z)), d, 3 * d + 2, 4)
+    return _law_bound(quadrature, d + 2, (d + 2) * float((mean_grad ** 2).sum()), d + 1)
 
 
 def enumeration_bounds(problem: QuadraticProblem, bases: dict, opt) -> tuple:
