@@ -142,6 +142,17 @@ def gaussian_expectation(function, d: int) -> float:
     return total
 
 
+def _u64_gamma(n: int) -> float:
+    return gamma(n, UNIT_ROUNDOFF[torch.float64])
+
+
+def _evaluation_margin(k: int) -> float:
+    """1 + 2γ_k ≥ 1/(1 − γ_k) (γ_k ≤ ½): a float64 value of non-negative terms computed with
+    k roundings on any path, times this, is at least the exact value; every bound here
+    that must cover its own evaluation is multiplied by it (proofs/zeroth_order.md)."""
+    return 1 + 2 * _u64_gamma(k)
+
+
 def quadrature_rounding_bound(magnitude, d: int, operations: int, degree: int) -> float:
     """A bound on |gaussian_expectation(f, d) - E f(U)| for a polynomial f of total
     degree ``degree`` in U, of degree at most 5 in each coordinate, whose float64
@@ -150,14 +161,9 @@ def quadrature_rounding_bound(magnitude, d: int, operations: int, degree: int) -
     non-negative, evaluated at |u|): γ_N Σ_nodes w · magnitude(|u|) with N =
     operations + degree + 2d + 3^d + 1, the sum (computed by the same rule) multiplied
     by 1 + 2γ_N (proofs/zeroth_order.md, "Rounding in the exact tests")."""
-    u64 = UNIT_ROUNDOFF[torch.float64]
     total = gaussian_expectation(lambda u: magnitude(u.abs()), d)
     n = operations + degree + 2 * d + 3**d + 1
-    return gamma(n, u64) * total * (1 + 2 * gamma(n, u64))  # the sum's own rounding: 1/(1 - γ_n) ≤ 1 + 2γ_n
-
-
-def _u64_gamma(n: int) -> float:
-    return gamma(n, UNIT_ROUNDOFF[torch.float64])
+    return _u64_gamma(n) * total * _evaluation_margin(n)  # the sum's own rounding
 
 
 def _abs_closed_form(base: torch.Tensor, magnitudes: torch.Tensor) -> float:
@@ -177,7 +183,7 @@ def _law_bound(quadrature: float, n: int, size: float, m: int) -> float:
     (Q + γ_n size)(1 + 2γ_{m+5}): the five are γ_n's two roundings, the product, the sum
     and the last product; 1 + 2γ_k as computed times 1 − γ_k is at least 1 + u for 4 ≤ k,
     γ_k ≤ ⅕ (proofs/zeroth_order.md, "Rounding in the exact tests", "The laws")."""
-    return (quadrature + _u64_gamma(n) * size) * (1 + 2 * _u64_gamma(m + 5))
+    return (quadrature + _u64_gamma(n) * size) * _evaluation_margin(m + 5)
 
 
 def grzo_law_rounding_bound(grads: torch.Tensor) -> float:
@@ -255,7 +261,7 @@ def enumeration_bounds(problem: QuadraticProblem, bases: dict, opt) -> tuple:
     second_bound = d * size ** 2 * _u64_gamma(2 * (n_loss + batch + 3) + d + patterns) + change \
         + 2 * _u64_gamma(batch * d + batch + 2 * d + 10) * upper
     scale = float((u ** 2).sum() * grads.norm(dim=1).max())
-    margin = 1 + 2 * _u64_gamma(batch * d + 64)  # the bounds' own float64 evaluation
+    margin = _evaluation_margin(batch * d + 64)  # the bounds' own float64 evaluation
     return mean_bound / scale * margin, second_bound / scale ** 2 * margin
 
 
