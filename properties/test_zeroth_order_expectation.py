@@ -61,6 +61,7 @@ def test_variance_law_is_the_gaussian_mean_of_the_second_moment(batch, identical
     got = second - float((grads.mean(0) ** 2).sum())
     bound = grzo_law_rounding_bound(grads)
     assert abs(got - law) <= bound
+    assert 2 * bound < float((grads.mean(0) ** 2).sum())  # so a law off by ‖ḡ‖² fails the line above
     observe(abs(got - law) / bound, RADIUS)
 
 
@@ -79,6 +80,7 @@ def test_mezo_variance_law_is_the_gaussian_mean_of_its_squared_norm(batch, ident
     got = second - float((mean_grad ** 2).sum())
     bound = mezo_law_rounding_bound(mean_grad)
     assert abs(got - law) <= bound
+    assert 2 * bound < float((mean_grad ** 2).sum())  # so a law off by ‖ḡ‖² fails the line above
     observe(abs(got - law) / bound, RADIUS)
 
 
