@@ -152,7 +152,14 @@ def kernel_step(layer, config, r=None, state=None):
 
 def capture(fn):
     """A CUDA graph of ``fn``, after one warm-up call on a side stream (compilation,
-    optimizer state); returns (graph, what the captured call returned)."""
+    optimizer state); returns (graph, what the captured call returned). The graph holds
+    ``fn``: the graph replays raw addresses, and tensors ``fn`` allocated before the
+    capture (a fused step's status words and flags) are freed with it otherwise. Before
+    this reference, ``capture(kernel_step(...))[0].replay`` in ``methods`` replayed a
+    kernel whose status words had been freed, and later small allocations may reuse
+    them: a kernel that reads nonzero status skips every store, which fits the replays
+    timed below the memory floor in results/tuning/h100-cluster-multicast-55246d7.log
+    (the first run)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -161,6 +168,7 @@ def capture(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         returned = fn()
+    graph.captured_fn = fn
     return graph, returned
 
 
