@@ -20,9 +20,7 @@ product's on 16-row parts with a leading CTA dimension: the rule (``AdamW.update
 verdict and the stores per CTA (the bad-tile count added relaxed: at the default ordering
 Gluon syncs the cluster at each part), fp32 weight and state only (no rounding, no draw). CTAS
 = 1 is the same code with no multicast, which separates the multicast's effect from the
-kernel's other differences (tile order in bands of cluster rows). Each is also timed with
-its token loop alone (``TOKENS_ONLY``: each gradient slot handed back unread, no weight or
-state moved), where the multicast's saving of L2 reads would show undiluted.
+kernel's other differences (tile order in bands of cluster rows).
 
     PYTHONPATH=/tmp/site:... python3 benchmarks/probe_cluster.py --shapes 4096x4096,4096x14336 --tokens 512,1024
 """
@@ -129,12 +127,9 @@ def _matrix(dy_bufs, x_bufs, ready, free, free_pair, grad_smem, grad_ready, grad
 
 
 @gluon.jit
-def _stage_loader(w_desc, m_desc, v_desc, w_smem, m_smem, v_smem, epi_ready, epi_free, N, K,
-                  TOKENS_ONLY: gl.constexpr):
+def _stage_loader(w_desc, m_desc, v_desc, w_smem, m_smem, v_smem, epi_ready, epi_free, N, K):
     CTAS: gl.constexpr = gl.num_ctas()
     num_tiles = gl.cdiv(N, CTAS * BN) * gl.cdiv(K, BK)
-    if TOKENS_ONLY:
-        num_tiles = 0
     part = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         crow, off_k = _cluster_tile(tile, N, K)
@@ -151,10 +146,9 @@ def _stage_loader(w_desc, m_desc, v_desc, w_smem, m_smem, v_smem, epi_ready, epi
 
 @gluon.jit
 def _epilogue(w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free, w_smem, m_smem, v_smem,
-              epi_ready, epi_free, N, K, h0, h1, h2, h3, h4, h5, h6, h7, RULE: gl.constexpr, VARIANT: gl.constexpr,
-              TOKENS_ONLY: gl.constexpr):
+              epi_ready, epi_free, N, K, h0, h1, h2, h3, h4, h5, h6, h7, RULE: gl.constexpr, VARIANT: gl.constexpr):
     CTAS: gl.constexpr = gl.num_ctas()
-    SPLIT: gl.constexpr = 1 if TOKENS_ONLY else BN // PART_N
+    SPLIT: gl.constexpr = BN // PART_N
     epi: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, gl.num_warps(), 1], [2, 1, 0],
                                          cga_layout=_cga(CTAS, 3, 0))
     tiles_k = gl.cdiv(K, BK)
@@ -172,43 +166,38 @@ def _epilogue(w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, 
         grad = grad_smem.index(0).reshape([CTAS, BN, BK])
         for j in gl.static_range(SPLIT):
             slot = part % SLOTS
-            if TOKENS_ONLY:  # the token loop alone: each gradient slot handed back unread
-                gl.barrier()
+            g = grad.slice(j * PART_N, PART_N, dim=1).load(epi)
+            mbarrier.wait(epi_ready.index(slot), (part // SLOTS) & 1)
+            w = w_smem.index(slot).load(epi)
+            m = m_smem.index(slot).load(epi)
+            v = v_smem.index(slot).load(epi)
+            fence_async_shared()
+            gl.barrier()  # every warp has read the slot (and g) before either is reused
+            mbarrier.arrive(epi_free.index(slot))
+            if j == SPLIT - 1:
                 mbarrier.arrive(grad_free.index(0))
-            else:
-                g = grad.slice(j * PART_N, PART_N, dim=1).load(epi)
-                mbarrier.wait(epi_ready.index(slot), (part // SLOTS) & 1)
-                w = w_smem.index(slot).load(epi)
-                m = m_smem.index(slot).load(epi)
-                v = v_smem.index(slot).load(epi)
-                fence_async_shared()
-                gl.barrier()  # every warp has read the slot (and g) before either is reused
-                mbarrier.arrive(epi_free.index(slot))
-                if j == SPLIT - 1:
-                    mbarrier.arrive(grad_free.index(0))
-                g = g * 1.0  # the product's grad_scale of 1 (exact)
-                w, m, v, unused = RULE(w, g, m, v, w, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
-                finite = (is_finite(g) & _storable(w, w, 0, False, False, False)
-                          & _storable(m, m, 0, False, False, False) & _storable(v, v, 0, False, False, False))
-                rows = tile_row[:, None, None] * BN + j * PART_N + r[None, :, None]
-                cols = off_k + c[None, None, :]
-                inside = (rows < N) & (cols < K)
-                num_bad = gl.sum(gl.sum(gl.where(inside & ~finite, 1, 0), axis=2), axis=1)  # [CTAS], per CTA
-                idx = rows * K + cols
-                keep = inside & (((num_bad == 0) & inputs_ok)[:, None, None])
-                gl.store(w_ptr + idx, w, mask=keep)
-                gl.store(m_ptr + idx, m, mask=keep)
-                gl.store(v_ptr + idx, v, mask=keep)
-                gl.atomic_add(status_ptr + _BAD + cta * 0, 1, mask=(num_bad > 0) & inputs_ok, sem="relaxed")
-                gl.store(flag_ptr + (tile_row * tiles_k + off_k // BK) * SPLIT + j, num_bad)
+            g = g * 1.0  # the product's grad_scale of 1 (exact)
+            w, m, v, unused = RULE(w, g, m, v, w, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
+            finite = (is_finite(g) & _storable(w, w, 0, False, False, False)
+                      & _storable(m, m, 0, False, False, False) & _storable(v, v, 0, False, False, False))
+            rows = tile_row[:, None, None] * BN + j * PART_N + r[None, :, None]
+            cols = off_k + c[None, None, :]
+            inside = (rows < N) & (cols < K)
+            num_bad = gl.sum(gl.sum(gl.where(inside & ~finite, 1, 0), axis=2), axis=1)  # [CTAS], per CTA
+            idx = rows * K + cols
+            keep = inside & (((num_bad == 0) & inputs_ok)[:, None, None])
+            gl.store(w_ptr + idx, w, mask=keep)
+            gl.store(m_ptr + idx, m, mask=keep)
+            gl.store(v_ptr + idx, v, mask=keep)
+            gl.atomic_add(status_ptr + _BAD + cta * 0, 1, mask=(num_bad > 0) & inputs_ok, sem="relaxed")
+            gl.store(flag_ptr + (tile_row * tiles_k + off_k // BK) * SPLIT + j, num_bad)
             part += 1
         visit += 1
 
 
 @gluon.jit
 def cluster_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, T, N, K,
-                   h0, h1, h2, h3, h4, h5, h6, h7, RULE: gl.constexpr, VARIANT: gl.constexpr,
-                   TOKENS_ONLY: gl.constexpr = False):
+                   h0, h1, h2, h3, h4, h5, h6, h7, RULE: gl.constexpr, VARIANT: gl.constexpr):
     CTAS: gl.constexpr = gl.num_ctas()
     dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -235,10 +224,10 @@ def cluster_kernel(dy_desc, x_desc, w_desc, m_desc, v_desc, w_ptr, m_ptr, v_ptr,
         mbarrier.init(epi_free.index(i), count=1)
     gl.warp_specialize([
         (_epilogue, (w_ptr, m_ptr, v_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free, w_smem, m_smem,
-                     v_smem, epi_ready, epi_free, N, K, h0, h1, h2, h3, h4, h5, h6, h7, RULE, VARIANT, TOKENS_ONLY)),
+                     v_smem, epi_ready, epi_free, N, K, h0, h1, h2, h3, h4, h5, h6, h7, RULE, VARIANT)),
         (_matrix, (dy_bufs, x_bufs, ready, free, free_pair, grad_smem, grad_ready, grad_free, T, N, K)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, free_pair, T, N, K)),
-        (_stage_loader, (w_desc, m_desc, v_desc, w_smem, m_smem, v_smem, epi_ready, epi_free, N, K, TOKENS_ONLY)),
+        (_stage_loader, (w_desc, m_desc, v_desc, w_smem, m_smem, v_smem, epi_ready, epi_free, N, K)),
     ], [BN // 16, 1, 1], [96, 24, 24])
 
 
@@ -258,11 +247,11 @@ def descriptors(ctas, x, dy, w, m, v):
 class ClusterStep:
     """One launch of ``cluster_kernel`` on a benchmark layer's fp32 weight and AdamW state."""
 
-    def __init__(self, layer, state, rule, ctas, step=1, tokens_only=False):
+    def __init__(self, layer, state, rule, ctas, step=1):
         N, K = layer.w.shape
         if N % (ctas * BLOCK_N) or K % BLOCK_K:
             raise ValueError(f"{N}x{K}: rows must be whole cluster tiles of {ctas * BLOCK_N}, columns of {BLOCK_K}")
-        self.layer, self.state, self.ctas, self.tokens_only = layer, state, ctas, tokens_only
+        self.layer, self.state, self.ctas = layer, state, ctas
         self.scalars = rule.scalars(step)
         self.update, self.variant = rule.update, rule.variant
         tiles = (N // BLOCK_N) * (K // BLOCK_K) * (BLOCK_N // PART_ROWS)
@@ -276,7 +265,7 @@ class ClusterStep:
         N, K = layer.w.shape
         cluster_kernel[self.grid](*self.desc, layer.w, s["exp_avg"], s["exp_avg_sq"], self.words[STATUS_WORDS:],
                                   self.words, layer.x.shape[0], N, K, *self.scalars, RULE=self.update,
-                                  VARIANT=self.variant, TOKENS_ONLY=self.tokens_only, num_warps=8, num_ctas=self.ctas, enable_fp_fusion=False)
+                                  VARIANT=self.variant, num_warps=8, num_ctas=self.ctas, enable_fp_fusion=False)
 
     def flags(self):
         return self.words[STATUS_WORDS:]
@@ -340,8 +329,6 @@ def main(argv=None):
             for ctas in row:
                 step = ClusterStep(layer, layer.fresh_state(r), r, ctas)
                 times[f"cluster {ctas} replayed"] = bu.timed(bu.capture(step)[0].replay)[0]
-                loop = ClusterStep(layer, layer.fresh_state(r), r, ctas, tokens_only=True)
-                times[f"cluster {ctas} token loop alone"] = bu.timed(bu.capture(loop)[0].replay)[0]
             times["product kernel again"] = bu.timed(bu.capture(lambda: product.fused(layer.x, layer.dy,
                                                                                       layer.w))[0].replay)[0]
             base = times["torch captured"]
