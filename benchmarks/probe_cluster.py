@@ -19,8 +19,10 @@ the lead's, only the lead waits); each CTA copies its own dy block. The epilogue
 product's on 16-row parts with a leading CTA dimension: the rule (``AdamW.update``), the
 verdict and the stores per CTA (the bad-tile count added relaxed: at the default ordering
 Gluon syncs the cluster at each part), fp32 weight and state only (no rounding, no draw). CTAS
-= 1 is the same code with no multicast, which separates the multicast's effect from the
-kernel's other differences (tile order in bands of cluster rows).
+= 1 is the same code with no multicast, which separates the multicast's effect from most
+of the kernel's other differences (the tile order is in bands of 4 cluster rows: 8 tile rows
+with two CTAs, as the product's, 4 with one). The product kernel is timed with the tuned
+1,024-token entry's tile at every token count.
 
     PYTHONPATH=/tmp/site:... python3 benchmarks/probe_cluster.py --shapes 4096x4096,4096x14336 --tokens 512,1024
 """
