@@ -153,13 +153,10 @@ def kernel_step(layer, config, r=None, state=None):
 def capture(fn):
     """A CUDA graph of ``fn``, after one warm-up call on a side stream (compilation,
     optimizer state); returns (graph, what the captured call returned). The graph holds
-    ``fn``: the graph replays raw addresses, and tensors ``fn`` allocated before the
-    capture (a fused step's status words and flags) are freed with it otherwise. Before
-    this reference, ``capture(kernel_step(...))[0].replay`` in ``methods`` replayed a
-    kernel whose status words had been freed, and later small allocations reused them:
-    a kernel that reads nonzero status skips every store, so its replays read too fast
-    (results/tuning/h100-replay-fix-ffe373b.log: 0.110 ms dropped, 0.162 kept, on
-    4096 x 4096 at 256 tokens, where the eager kernel takes 0.162)."""
+    ``fn``: it replays raw addresses, and tensors ``fn`` allocated before the capture (a
+    fused step's status words and flags) would otherwise be freed with it and taken by
+    later allocations; a kernel that then reads nonzero status skips every store and
+    replays too fast (results/tuning/h100-replay-fix-ffe373b.log)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

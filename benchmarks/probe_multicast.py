@@ -1,9 +1,9 @@
 """Can the installed Triton express TMA multicast inside a thread-block cluster on Hopper?
 
-At 1,024 tokens the fused fp32 step on 4096 x 4096 reads as bound by L2-to-SM traffic, not
-HBM (a byte-count model, not an established bound: benchmarks/README.md, "Operand traffic
-through L2, and TMA multicast"): every tile re-reads
-its rows of dy and columns of x over all tokens. A 2-CTA cluster whose CTAs own tiles in the
+At 1,024 tokens a byte count read the fused fp32 step on 4096 x 4096 as bound by L2-to-SM
+traffic, not HBM (benchmarks/README.md, "Operand traffic through L2, and TMA multicast"):
+every tile re-reads its rows of dy and columns of x over all tokens. (Measured since with
+``probe_cluster.py``: x multicast in a 2-CTA cluster gained nothing on an H100.) A 2-CTA cluster whose CTAs own tiles in the
 same columns could read each x block from L2 once and multicast it to both. This probe
 compiles (offline, no GPU needed, for sm_90a) the smallest Gluon kernel that does that: one
 program is a 2-CTA cluster (``num_ctas=2``); the x block, replicated across the cluster
