@@ -35,7 +35,11 @@ class TileConfig:
     64, or 8, a matrix warpgroup per 64 rows of a 64- or 128-row tile feeding eight
     epilogue warps, on column parts of 32 or 64 (16 on 128-row tiles) or on row parts of
     at least 16 rows and 1,024 elements (whole rows of the tile, which its TMA copies and
-    stores read and write in runs of the tile's width: measured faster on an H200). Its
+    stores read and write in runs of the tile's width: measured faster on an H200), or
+    16, the same split structure with sixteen epilogue warps, on tiles of 32 or 64
+    columns and row parts of at least 2,048 elements (a 128-column tile's wgmma needs
+    more registers than a thread gets beside sixteen epilogue warps; compiled offline
+    for sm_90, benchmarks/results/tuning/ptxas-split-16-warps-3.9.txt). Its
     oracle (``oracle=True``) and ``apply_rule`` run the portable kernels with the same
     tile and slices.
 
@@ -130,27 +134,30 @@ class TileConfig:
         and state staged in shared memory one part at a time (column parts of 16-64; row
         parts in the split kernel, of at least four elements per epilogue thread, so that
         its layout covers the part without repeating), and 4 warps (ping-pong consumers)
-        or 8 (split epilogue warps)."""
+        or 8 or 16 (split epilogue warps; with 16, at most 64 columns: ptxas gives each
+        thread 72-80 registers there, and an m64n128 wgmma needs 90)."""
         part_rows, part = self.part_shape
         if self.epilogue_axis == "rows" and self.epilogue_split > 1:  # one slice is the whole tile either way
-            parts_ok = self.num_warps == 8 and part_rows * part >= 4 * 32 * self.num_warps
-            parts_rule = (f"such that a row part (block_n / epilogue_split x block_k) has at least 1,024 elements, "
-                          f"with num_warps=8, not {part_rows} x {part}")
+            parts_ok = self.num_warps in (8, 16) and part_rows * part >= 4 * 32 * self.num_warps
+            parts_rule = (f"such that a row part (block_n / epilogue_split x block_k) has at least four elements "
+                          f"per epilogue thread (1,024 with num_warps=8, 2,048 with 16), with num_warps=8 or 16, "
+                          f"not {part_rows} x {part}")
         else:
             parts_ok = part in (32, 64) or (part == 16 and self.block_n == 128)
             parts_rule = (f"such that block_k / epilogue_split is 32 or 64 (or 16 with block_n=128), "
                           f"not {part}")
         wrong = [f"{name}={getattr(self, name)!r} (must be {allowed})" for name, allowed, ok in (
-            ("block_n", "64, or 128 with num_warps=8",
-             self.block_n == 64 or (self.block_n == 128 and self.num_warps == 8)),
-            ("block_k", "32, 64 or 128", self.block_k in (32, 64, 128)),
+            ("block_n", "64, or 128 with num_warps=8 or 16",
+             self.block_n == 64 or (self.block_n == 128 and self.num_warps in (8, 16))),
+            ("block_k", "32, 64 or 128 (32 or 64 with num_warps=16)",
+             self.block_k in (32, 64) or (self.block_k == 128 and self.num_warps != 16)),
             ("block_t", "32, 64 or 128", self.block_t in (32, 64, 128)),
-            ("num_warps", "4 or 8", self.num_warps in (4, 8)),
+            ("num_warps", "4, 8 or 16", self.num_warps in (4, 8, 16)),
             ("num_stages", "2-8", 2 <= self.num_stages <= 8),
             ("maxnreg", "None", self.maxnreg is None),
             ("epilogue_split", parts_rule, parts_ok),
             ("epilogue_stages", "None with num_warps=4 (the ping-pong kernel stages one part per consumer)",
-             self.epilogue_stages is None or self.num_warps == 8),
+             self.epilogue_stages is None or self.num_warps in (8, 16)),
             ("operand_loads", "left at 'pointers': the Hopper kernel reads its operands by TMA whatever it says",
              self.operand_loads == "pointers")) if not ok]
         if wrong:

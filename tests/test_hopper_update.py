@@ -1,7 +1,7 @@
 """The Hopper kernel (``TileConfig(kernel="hopper")``) computes the portable kernel's
 function bit for bit: for every rule and slot layout, every storage regime and rounding,
-in both structures (``num_warps`` 4: ping-pong consumers; 8: a matrix warpgroup per 64
-rows of a 64- or 128-row tile feeding eight epilogue warps), on shapes with ragged edges
+in both structures (``num_warps`` 4: ping-pong consumers; 8 or 16: a matrix warpgroup per
+64 rows of a 64- or 128-row tile feeding eight or sixteen epilogue warps), on shapes with ragged edges
 and on shapes with many tiles per program (every barrier through several phases, the
 rings wrapping), at an offset in a larger weight, with a gradient scale, with device
 scalars inside a CUDA graph, and through the non-finite paths (nothing written, skipped
@@ -39,11 +39,16 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            # three beside a two-stage ring (the 128 x 128 tile's row parts).
            fk.TileConfig(64, 128, 64, 8, 3, epilogue_split=4, kernel="hopper", epilogue_stages=1),
            fk.TileConfig(128, 128, 64, 8, 2, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
-                         epilogue_stages=3)]
+                         epilogue_stages=3),
+           # Sixteen epilogue warps (tiles of at most 64 columns): row parts of a 64 x 64 tile,
+           # 16-column parts of a 128 x 64 tile.
+           fk.TileConfig(64, 64, 64, 16, 3, epilogue_split=2, kernel="hopper", epilogue_axis="rows"),
+           fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper")]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]
 ONE_SLOT, THREE_SLOTS = CONFIGS[11], CONFIGS[12]
+SIXTEEN_WARPS = CONFIGS[13]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -275,8 +280,8 @@ def test_hopper_kernel_refuses_a_tile_that_does_not_fit(config, launches):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT, WIDE, ROWS],
-                         ids=["64-token", "32-token", "split", "split-128-rows", "split-row-parts"])
+@pytest.mark.parametrize("config", [CONFIGS[0], SHORT_BLOCKS, SPLIT, WIDE, ROWS, SIXTEEN_WARPS],
+                         ids=["64-token", "32-token", "split", "split-128-rows", "split-row-parts", "split-16-warps"])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_hopper_kernel_keys_rounding_on_the_global_index(config, col_start, launches):
     """A shard at rows 64.., columns ``col_start``.. of a larger weight, with a gradient
@@ -400,14 +405,15 @@ def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config, hot, s
 
 
 def test_num_warps_picks_the_structure():
-    """4 warps run the ping-pong kernel, 8 the split one (a config launched on the other
-    structure would compile for a partition it was not written for). Gluon compiles
+    """4 warps run the ping-pong kernel, 8 and 16 the split one (a config launched on the
+    other structure would compile for a partition it was not written for). Gluon compiles
     nothing here: only the dispatch is checked, on any machine."""
     pytest.importorskip("triton.experimental.gluon")
     from forge_kernels.ops import hopper_pingpong, hopper_split, hopper_update
     assert hopper_update.kernel_for(CONFIGS[1]) is hopper_pingpong.pingpong_kernel
     assert hopper_update.kernel_for(SPLIT) is hopper_split.split_kernel
-    assert {config.num_warps for config in CONFIGS} == {4, 8}
+    assert hopper_update.kernel_for(SIXTEEN_WARPS) is hopper_split.split_kernel
+    assert {config.num_warps for config in CONFIGS} == {4, 8, 16}
 
 
 @pytest.mark.parametrize("fields, wrong", [
@@ -420,7 +426,10 @@ def test_num_warps_picks_the_structure():
     (dict(epilogue_split=2, epilogue_axis="rows"), "epilogue_split=2.*with num_warps=8"),
     (dict(num_warps=8, epilogue_split=4, epilogue_axis="rows"), "epilogue_split=4.*not 16 x 32"),
     (dict(epilogue_axis="diagonal"), "epilogue_axis='diagonal'"),
-    (dict(epilogue_stages=3), r"epilogue_stages=3 \(must be None with num_warps=4")])
+    (dict(epilogue_stages=3), r"epilogue_stages=3 \(must be None with num_warps=4"),
+    (dict(block_k=128, num_warps=16, epilogue_split=4), r"block_k=128 \(must be 32, 64 or 128 \(32 or 64 with "
+                                                        r"num_warps=16\)"),
+    (dict(num_warps=16, epilogue_split=2, epilogue_axis="rows"), r"epilogue_split=2 .*2,048 with 16.*not 32 x 32")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
     with pytest.raises(ValueError, match=wrong):

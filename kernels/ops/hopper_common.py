@@ -151,7 +151,7 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
     of its own) that slot is handed back (``grad_free``) with the staging slot."""
     BLOCK_N: gl.constexpr = w_smem.shape[0]
     SUB: gl.constexpr = w_smem.shape[1]
-    WARPS: gl.constexpr = gl.num_warps()  # a ping-pong consumer's 4, the split kernel's epilogue's 8
+    WARPS: gl.constexpr = gl.num_warps()  # a ping-pong consumer's 4, the split kernel's epilogue's 8 or 16
     epi: gl.constexpr = _epilogue_layout(SUB, WARPS)
     g = g * grad_scale
     mbarrier.wait(epi_ready, phase)

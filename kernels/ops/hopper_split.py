@@ -1,8 +1,8 @@
-"""The split Hopper kernel (``TileConfig(kernel="hopper", num_warps=8)``): one program per
-multiprocessor, in which a matrix warpgroup per 64 rows of the tile (one or two) runs
+"""The split Hopper kernel (``TileConfig(kernel="hopper", num_warps=8)`` or 16): one program
+per multiprocessor, in which a matrix warpgroup per 64 rows of the tile (one or two) runs
 every tile's token loop on wgmma into fp32 gradient slots in shared memory (the gradient
-still never reaches global memory), eight epilogue warps (the default partition) apply
-the rule to each slot part by part, and two TMA warps feed the ring of dy and x blocks and
+still never reaches global memory), ``num_warps`` epilogue warps (the default partition)
+apply the rule to each slot part by part, and two TMA warps feed the ring of dy and x blocks and
 the staging slots of the weight and state parts. Measured on an H200 its 64 x 128 tile
 was 1.09-1.20x faster than the ping-pong kernel's tuned tile at 512-2,048 tokens on four
 shapes, where the ping-pong consumers' epilogues leave the tensor cores waiting
@@ -12,7 +12,13 @@ each x block once for both, is 1.01-1.23x faster again at 1,024-2,048 tokens
 (``epilogue_axis="rows"``) row slices of the tile; row slices, whose weight and state
 rows are copied and stored in runs of the tile's full width, measured 1.00-1.09x faster
 than column slices of the same configs at 512-2,048 tokens (the 128 x 128 tile in
-16-row parts: 1.06-1.08x at 1,024; results/tuning/h200-row-parts.log)."""
+16-row parts: 1.06-1.08x at 1,024; results/tuning/h200-row-parts.log). Sixteen epilogue
+warps are for the bf16 epilogues, which Nsight Compute found latency-bound even with 16
+warps per multiprocessor (the portable fused tile and the streaming epilogue;
+benchmarks/README.md, "bf16 rounded to nearest by the hardware's conversion"), where eight
+leave half as many warps to hide that latency; they leave each thread 72-80 registers, so
+only tiles of at most 64 columns compile (results/tuning/ptxas-split-16-warps-3.9.txt);
+not yet run on a GPU."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

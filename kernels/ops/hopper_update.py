@@ -5,9 +5,9 @@ structures, picked by ``num_warps``:
 - 4: the ping-pong kernel (``hopper_pingpong``): two consumer warpgroups take alternate
   tiles, each running its tile's token loop and then its epilogue, so that one's epilogue
   overlaps the other's token loop;
-- 8: the split kernel (``hopper_split``): a matrix warpgroup per 64 rows of the tile (one
-  or two) runs every tile's token loop into gradient slots in shared memory (two, or one
-  for a 128 x 128 tile), and eight epilogue warps apply the rule.
+- 8 or 16: the split kernel (``hopper_split``): a matrix warpgroup per 64 rows of the
+  tile (one or two) runs every tile's token loop into gradient slots in shared memory
+  (two, or one for a 128 x 128 tile), and eight or sixteen epilogue warps apply the rule.
 
 The portable kernel (``fused_weight_update``) runs each tile's token loop and then its
 epilogue in the same warps, so the tensor cores idle during the epilogue and HBM during
@@ -42,8 +42,8 @@ from .hopper_split import split_kernel
 
 
 def kernel_for(config):
-    """The Gluon kernel that runs ``config``: the split kernel for 8 warps, else ping-pong."""
-    return split_kernel if config.num_warps == 8 else pingpong_kernel
+    """The Gluon kernel that runs ``config``: the split kernel for 8 or 16 (epilogue) warps, else ping-pong."""
+    return split_kernel if config.num_warps in (8, 16) else pingpong_kernel
 
 
 def structure_constants(config) -> dict:
