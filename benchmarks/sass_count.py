@@ -142,8 +142,8 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sum
     from triton.experimental.gluon._runtime import GluonASTSource
     from forge_kernels.ops import hopper_update
 
-    if regime not in ("fp32", "bf16-sr"):
-        raise SystemExit(f"the Hopper kernel keeps fp32 or bf16 state; {regime} runs on the portable kernel")
+    if regime == "q8":
+        raise SystemExit("the Hopper kernel keeps fp32 or bf16 state; q8 runs on the portable kernel")
     stages = config[4]
     weight = torch.float32 if regime == "fp32" else torch.bfloat16
     x, dy = (torch.empty(256, 4096, dtype=torch.bfloat16) for _ in range(2))

@@ -43,6 +43,19 @@ def test_sass_count_compiles_the_hopper_kernel_for_sm90_offline():
         assert _field(line, "instructions") > 1000, line
 
 
+def test_sixteen_epilogue_warps_compile_on_tiles_of_64_columns():
+    """``num_warps=16`` (the split kernel with sixteen epilogue warps) builds, without
+    spilling, where ``TileConfig`` allows it: tiles of at most 64 columns, in row and in
+    column parts (128-column tiles are refused: their wgmma needs more registers than a
+    thread gets beside sixteen epilogue warps, results/tuning/ptxas-split-16-warps-3.9.txt)."""
+    lines = _sass_count("--regimes", "fp32,bf16-rn",
+                        "--configs", "64,64,64,16,3,None,2,hopper,rows;128,64,32,16,4,None,4,hopper")
+    assert len(lines) == 4, lines
+    for line in lines:
+        assert _field(line, "wgmma") > 0, line
+        assert _field(line, "bytes") == 0, line  # "spill bytes N"
+
+
 def test_epilogue_stages_reach_the_split_kernel():
     """``TileConfig.epilogue_stages`` sets the split kernel's staging slots: one more slot is
     one more part of weight and state in shared memory (AdamW in fp32: a 16 x 128 row part
