@@ -113,7 +113,7 @@ class TileConfig:
             self._check_hopper()
         elif self.epilogue_stages is not None:
             raise ValueError(f"TileConfig.epilogue_stages={self.epilogue_stages!r}: only the split Hopper kernel "
-                             "(kernel='hopper', num_warps=8) stages parts ahead; leave it None for the portable "
+                             "(kernel='hopper', num_warps=8 or 16) stages parts ahead; leave it None for the portable "
                              "kernel")
 
     @property
