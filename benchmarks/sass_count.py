@@ -8,9 +8,11 @@ a machine without a GPU; times come only from the GPU.
 
     python3 benchmarks/sass_count.py [--regimes fp32,bf16-sr,q8] [--configs "64,128,64,8,3,128,2;..."]
     python3 benchmarks/sass_count.py --regimes fp32,bf16-sr --configs "64,32,128,4,2,None,1,hopper"
+    python3 benchmarks/sass_count.py --rule rmsprop-centered --configs "64,64,64,16,3,None,2,hopper,rows"
 
 A config ending in ``hopper`` compiles the Hopper kernel (Gluon, ``ops/hopper_update.py``;
-fp32 and bf16 state only) instead of the portable one. ``--streaming`` compiles
+fp32 and bf16 state only) instead of the portable one, for AdamW or ``--rule``'s rule
+(one, two or three state slots). ``--streaming`` compiles
 ``probe_streaming_epilogue.py``'s kernel instead (the same epilogue on a gradient made in
 its own layout: no matrix work, no accumulator to convert) at each config's tile, warps,
 register cap and epilogue split, beside which the fused kernel's counts show what the
@@ -48,6 +50,9 @@ HERE = Path(__file__).resolve().parent
 STORAGE = {"fp32": ("fp32", "fp32", False), "bf16-sr": ("bf16", "bf16", True), "bf16-rn": ("bf16", "bf16", False),
            "q8": ("bf16", "u8", True)}
 INTEGER_ARGS = ("T", "N", "K", "KB", "stride_xt", "stride_dyt")
+# --rule, for the Hopper kernel: AdamW (two state slots) by default, or a rule with one or three.
+HOPPER_RULES = {"adamw": lambda: fk.AdamW(), "sgd-momentum": lambda: fk.SGD(momentum=0.9),
+                "rmsprop-centered": lambda: fk.RMSprop(centered=True, momentum=0.9)}
 
 
 def _epilogue_arguments(regime: str, stochastic: bool) -> tuple:
@@ -134,10 +139,11 @@ def ptxas_usage(ptx: str, maxnreg) -> tuple:
     return int(registers[0]) if registers else None, int(spills[0]) if spills else None
 
 
-def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False):
-    """The Hopper kernel for AdamW on a 4096 x 4096 weight in ``regime``, with the
-    descriptors and argument types a launch on the H200 would give it (device scalars,
-    as in a captured step)."""
+def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sums: bool = False,
+                        rule: str = "adamw"):
+    """The Hopper kernel for ``rule`` (a ``HOPPER_RULES`` name) on a 4096 x 4096 weight in
+    ``regime``, with the descriptors and argument types a launch on the H200 would give it
+    (device scalars, as in a captured step)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from forge_kernels.ops import hopper_update
@@ -147,9 +153,12 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sum
     stages = config[4]
     weight = torch.float32 if regime == "fp32" else torch.bfloat16
     x, dy = (torch.empty(256, 4096, dtype=torch.bfloat16) for _ in range(2))
-    w, m, v = (torch.empty(4096, 4096, dtype=weight) for _ in range(3))
+    w = torch.empty(4096, 4096, dtype=weight)
+    rule = HOPPER_RULES[rule]()
+    layout = rule.slot_layout  # a slot the rule does not keep gets the weight, as a launch passes it
+    slots = [torch.empty(4096, 4096, dtype=weight) if name is not None else w for name in layout]
     tile = fk.TileConfig(*config)
-    descriptors = hopper_update.descriptors(tile, x, dy, w, [m, v, w])
+    descriptors = hopper_update.descriptors(tile, x, dy, w, slots)
     kernel = hopper_update.kernel_for(tile)
     pointer = "*fp32" if regime == "fp32" else "*bf16"
     signature = dict(zip(["dy_desc", "x_desc", "w_desc", "s0_desc", "s1_desc", "s2_desc"],
@@ -159,10 +168,10 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sum
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr="*fp32",
                      seed_ptr="*i64",  # a StepScalars' float32 values and int64 key
                      grad_scale_ptr=pointer, sums_ptr="*fp32")
-    rule = fk.AdamW()
-    constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=True, HAS_S1=True, HAS_S2=False,
-                     W_BF16=regime != "fp32", S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True,
-                     DEVICE_SCALARS=True, DEVICE_GRAD_SCALE=False, NUM_STAGES=stages, SQUARE_SUMS=square_sums,
+    constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=layout[0] is not None,
+                     HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None, W_BF16=regime != "fp32",
+                     S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True, DEVICE_SCALARS=True,
+                     DEVICE_GRAD_SCALE=False, NUM_STAGES=stages, SQUARE_SUMS=square_sums,
                      **hopper_update.structure_constants(tile))
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
@@ -217,6 +226,8 @@ def main():
                         help="also print a sha256 of the SASS instructions (the same code before and after a change)")
     parser.add_argument("--streaming", action="store_true",
                         help="compile the streaming epilogue kernel (probe_streaming_epilogue.py) at each config instead")
+    parser.add_argument("--rule", default="adamw", choices=sorted(HOPPER_RULES),
+                        help="the rule the Hopper kernel's configs compile for (the portable kernel's: AdamW)")
     parser.add_argument("--square-sums", action="store_true",
                         help="the kernel keeping its tiles' sums of squares (previous-norm clipping's norm)")
     args = parser.parse_args()
@@ -229,6 +240,10 @@ def main():
             hopper = config[7:8] == ("hopper",) and not args.streaming
             compile_for = compile_streaming_sm90 if args.streaming else compile_hopper_sm90 if hopper else compile_sm90
             options = dict(square_sums=True) if args.square_sums else {}
+            if args.rule != "adamw":
+                if not hopper:
+                    raise SystemExit("--rule: for the Hopper kernel's configs (the portable kernel compiles AdamW)")
+                options["rule"] = args.rule
             compiled, maxnreg = compile_for(regime, config, stochastic=STORAGE[regime][2] and not args.nearest,
                                             **options)
             registers, spills = ptxas_usage(compiled.asm["ptx"], maxnreg)

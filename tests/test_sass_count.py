@@ -47,13 +47,23 @@ def test_sixteen_epilogue_warps_compile_on_tiles_of_64_columns():
     """``num_warps=16`` (the split kernel with sixteen epilogue warps) builds, without
     spilling, where ``TileConfig`` allows it: tiles of at most 64 columns, in row and in
     column parts (128-column tiles are refused: their wgmma needs more registers than a
-    thread gets beside sixteen epilogue warps, results/tuning/ptxas-split-16-warps-3.9.txt)."""
-    lines = _sass_count("--regimes", "fp32,bf16-rn",
+    thread gets beside sixteen epilogue warps, results/tuning/ptxas-split-16-warps-3.9.txt),
+    for a rule with three state slots, the most registers an epilogue takes."""
+    lines = _sass_count("--rule", "rmsprop-centered", "--regimes", "fp32,bf16-rn",
                         "--configs", "64,64,64,16,3,None,2,hopper,rows;128,64,32,16,4,None,4,hopper")
     assert len(lines) == 4, lines
     for line in lines:
         assert _field(line, "wgmma") > 0, line
         assert _field(line, "bytes") == 0, line  # "spill bytes N"
+
+
+def test_rule_is_refused_for_the_portable_kernel():
+    """``--rule`` picks the Hopper kernel's rule; the portable kernel's compile is AdamW's,
+    so asking it for another rule stops with what it does instead of reporting AdamW."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_count.py"), "--rule", "sgd-momentum",
+                           "--regimes", "fp32", "--configs", "64,128,64,8,3,128,2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "portable kernel compiles AdamW" in done.stderr, done.stderr[-2000:]
 
 
 def test_epilogue_stages_reach_the_split_kernel():
