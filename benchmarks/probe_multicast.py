@@ -3,15 +3,16 @@
 At 1,024 tokens a byte count read the fused fp32 step on 4096 x 4096 as bound by L2-to-SM
 traffic, not HBM (benchmarks/README.md, "Operand traffic through L2, and TMA multicast"):
 every tile re-reads its rows of dy and columns of x over all tokens. (Measured since with
-``probe_cluster.py``: x multicast in a 2-CTA cluster gained nothing on an H100.) A 2-CTA cluster whose CTAs own tiles in the
-same columns could read each x block from L2 once and multicast it to both. This probe
-compiles (offline, no GPU needed, for sm_90a) the smallest Gluon kernel that does that: one
-program is a 2-CTA cluster (``num_ctas=2``); the x block, replicated across the cluster
-(``cga_layout [[0, 0]]``), is loaded with ``multicast=True``; the dy block is split by
-columns; each CTA runs one wgmma into its half of the output and stores it. It prints the
-PTX lines that show a cluster launch and a multicast copy, or why the Triton installed
-cannot build it (3.6 stops at the missing ``mbarrier.allocate_mbarrier``; its
-``async_copy_global_to_shared`` has no multicast argument either).
+``probe_cluster.py``: x multicast in a 2-CTA cluster gained nothing on an H100, and showed
+no gain on an H200.) A 2-CTA cluster whose CTAs own tiles in the same columns could read
+each x block from L2 once and multicast it to both. This probe compiles (offline, no GPU
+needed, for sm_90a) the smallest Gluon kernel that does that: one program is a 2-CTA cluster
+(``num_ctas=2``); the x block, replicated across the cluster (``cga_layout [[0, 0]]``), is
+loaded with ``multicast=True``; the dy block is split by columns; each CTA runs one wgmma
+into its half of the output and stores it. It prints the PTX lines that show a cluster
+launch and a multicast copy, or why the Triton installed cannot build it (3.6 stops at the
+missing ``mbarrier.allocate_mbarrier``; its ``async_copy_global_to_shared`` has no multicast
+argument either).
 
     python3 benchmarks/probe_multicast.py          # compile for sm_90a and print the PTX lines
     python3 benchmarks/probe_multicast.py gpu      # on a Hopper GPU: out == dyᵀ x
