@@ -41,9 +41,10 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            fk.TileConfig(128, 128, 64, 8, 2, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
                          epilogue_stages=3),
            # Sixteen epilogue warps (tiles of at most 64 columns): row parts of a 64 x 64 tile,
-           # 16-column parts of a 128 x 64 tile.
+           # 16-column parts of a 128 x 64 tile, 32-row parts of one (bf16-sr's tuned 256 tile).
            fk.TileConfig(64, 64, 64, 16, 3, epilogue_split=2, kernel="hopper", epilogue_axis="rows"),
-           fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper")]
+           fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper"),
+           fk.TileConfig(128, 64, 64, 16, 4, epilogue_split=4, kernel="hopper", epilogue_axis="rows")]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]

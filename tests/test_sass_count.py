@@ -50,8 +50,8 @@ def test_sixteen_epilogue_warps_compile_on_tiles_of_64_columns():
     thread gets beside sixteen epilogue warps, results/tuning/ptxas-split-16-warps-3.9.txt),
     for a rule with three state slots, the most registers an epilogue takes."""
     lines = _sass_count("--rule", "rmsprop-centered", "--regimes", "fp32,bf16-rn",
-                        "--configs", "64,64,64,16,3,None,2,hopper,rows;128,64,32,16,4,None,4,hopper")
-    assert len(lines) == 4, lines
+                        "--configs", "64,64,64,16,3,None,2,hopper,rows;128,64,32,16,4,None,4,hopper;128,64,64,16,4,None,4,hopper,rows")
+    assert len(lines) == 6, lines
     for line in lines:
         assert _field(line, "wgmma") > 0, line
         assert _field(line, "bytes") == 0, line  # "spill bytes N"
