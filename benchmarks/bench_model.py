@@ -17,7 +17,10 @@ Methods: ``torch``; ``forge`` (each fused layer reads its outcome once in its ba
 synchronizes, and ``fk.check_updates(model)`` reads every layer's outcome once at the
 end of the step, as ``fk.Trainer`` does); ``forge captured`` (the whole step, forward,
 backward with the fused updates and the norms' torch AdamW, in one CUDA graph through
-``fk.CapturedStep``, every layer's outcome read once per step); ``torch captured`` (the
+``fk.CapturedStep``, every layer's outcome read once per step); ``forge captured lagged``
+(the same with ``check="lagged"``: each step's outcome read during the next call, after
+that step is launched, so the GPU does not wait for the host between steps; a step after
+a non-finite one writes nothing on the device); ``torch captured`` (the
 same step in one CUDA graph, ``AdamW(fused=True, capturable=True)``, as torch documents
 whole-network capture). Variant ``q8`` (bf16 weights, 8-bit FORGE state; torch keeps
 bf16 state: its rows are the ``bf16`` variant's torch rows, run under its own name when
@@ -36,7 +39,10 @@ clipping variant.
 ``--tokens`` sequences whose step fits under that cap
 (``torch.cuda.set_per_process_memory_fraction``), by doubling then bisection.
 Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
-forward, backward and optimizer); peak is ``torch.cuda.max_memory_allocated`` over the
+forward, backward and optimizer; the host waits for each step before the next is timed);
+with ``--back-to-back N``, medians over ``--steps`` runs of N steps called one after
+another, as a training loop calls them (CUDA events around the N calls, one wait at
+the end), divided by N; peak is ``torch.cuda.max_memory_allocated`` over the
 timed steps, and ``reserved`` ``torch.cuda.max_memory_reserved`` over them, the
 allocator's cache emptied after warm-up: the blocks the live tensors and the steps take,
 and a captured graph's private pool, which holds what its step allocates (a replayed
@@ -103,10 +109,13 @@ def build(layers, dtype, seed=0):
     return model.to(dtype)
 
 
+METHODS = ("torch", "torch captured", "forge", "forge deferred", "forge captured", "forge captured lagged")
+
+
 def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient"):
     dtype = torch.float32 if name == "fp32-master" else torch.bfloat16
     model = build(layers, dtype)
-    deferred = method in ("forge deferred", "forge captured")
+    deferred = method in ("forge deferred", "forge captured", "forge captured lagged")
     if method.startswith("forge"):
         regime = {"bf16": "bf16-sr", "bf16-rn": "bf16-rn", "fp32-master": "fp32", "q8": "q8"}[name]
         config = tuned_config(configs, regime, tokens * batch) if configs else fk.PINNED
@@ -137,14 +146,15 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
         optimizer.step()
         return loss
 
+    check = "lagged" if method == "forge captured lagged" else "every step"
     if max_norm is not None and method.startswith("forge"):
-        if method == "forge captured":
+        if method.startswith("forge captured"):
             return model, fk.CapturedStep(model, forward_backward, optimizer=optimizer, max_norm=max_norm,
-                                          clipping="previous-norm", norm=norm)
+                                          clipping="previous-norm", norm=norm, check=check)
         trainer = fk.Trainer(model, optimizer, max_norm=max_norm, clipping="previous-norm", norm=norm)
         return model, lambda: trainer.step(loss_fn)
-    if method == "forge captured":
-        return model, fk.CapturedStep(model, step_fn)
+    if method.startswith("forge captured"):
+        return model, fk.CapturedStep(model, step_fn, check=check)
     if method == "torch captured":
         return model, torch_graph(step_fn)
 
@@ -207,7 +217,9 @@ def largest_batch(name, method, layers, tokens, configs, limit=256, **clipping) 
     return low
 
 
-def measure(step, warmup, steps):
+def measure(step, warmup, steps, back_to_back=1):
+    """(median, min, max) ms per step over ``steps`` timed runs of ``back_to_back`` calls
+    each, then the peak allocated and reserved bytes over them."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -217,10 +229,11 @@ def measure(step, warmup, steps):
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        for _ in range(back_to_back):
+            step()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / back_to_back)
     return (statistics.median(times), min(times), max(times), torch.cuda.max_memory_allocated(),
             torch.cuda.max_memory_reserved())
 
@@ -232,6 +245,8 @@ def main(argv=None):
     parser.add_argument("--tokens", default="512,4096")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--back-to-back", type=int, default=1, metavar="N",
+                        help="time runs of N steps called one after another (one wait per run)")
     parser.add_argument("--variants", default="bf16,fp32-master")
     parser.add_argument("--methods", default="torch,forge,forge deferred")
     parser.add_argument("--fit-under", type=float, default=None, metavar="GB",
@@ -248,7 +263,11 @@ def main(argv=None):
             "layers": args.layers, "max_norm": args.max_norm, "norm": args.norm if args.max_norm else None}
     rows = []
     methods = args.methods.split(",")
-    unclipped = [m for m in methods if m.startswith("forge") and m not in ("forge deferred", "forge captured")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    unclipped = [m for m in methods if m.startswith("forge")
+                 and m not in ("forge deferred", "forge captured", "forge captured lagged")]
     if args.max_norm is not None and unclipped:
         parser.error(f"--max-norm: {unclipped} have no clipping variant (use forge deferred or forge captured)")
     if args.fit_under is not None:
@@ -272,8 +291,9 @@ def main(argv=None):
                     continue
                 model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
                                       norm=args.norm)
-                median, low, high, peak, reserved = measure(step, args.warmup, args.steps)
-                rows.append({**meta, "tokens": tokens, "variant": name, "method": method, "median_ms": f"{median:.3f}",
+                median, low, high, peak, reserved = measure(step, args.warmup, args.steps, args.back_to_back)
+                rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
+                             "back_to_back": args.back_to_back, "median_ms": f"{median:.3f}",
                              "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak,
                              "peak_reserved_bytes": reserved})
                 print(f"T={tokens:5d} {name:11s} {method:14s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB  "

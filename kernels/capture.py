@@ -116,7 +116,7 @@ from .training import (PREVIOUS_NORM_STEPPED, _InputCheck, _layer_gradient, _lay
                        layer_square_sums, non_finite_norm_error, refuse_stopped_layers, rng_rewinder,
                        scale_unfused_gradients, set_aside_clipped_gradients, total_norm)
 
-CHECKS = ("every step", "manual")
+CHECKS = ("every step", "manual", "lagged")
 
 
 def _detached(value):
@@ -222,6 +222,7 @@ class CapturedStep:
         self.graph = self.loss = None
         self._warmup_left = warmup
         self._checked = True        # whether the latest step's outcome has been read
+        self._unread = []           # check="lagged": (step, pinned host copy of its verdict, event), oldest first
         self._outcomes = {}         # layer -> UpdateReport of its latest launch
         self._verdict = None        # the latest step's outcome words (and global norm), for check
         # What the fused layers' backwards do, for the pass of step_fn under way (see _step_layer).
@@ -232,6 +233,9 @@ class CapturedStep:
         self._grad_scale = 1.0       # the fused steps' grad_scale: a number, or the device clip coefficient
         self._device = devices.pop()
         self._stream = torch.cuda.Stream(device=self._device)
+        # check="lagged": set on the device at the end of a step with any non-finite outcome;
+        # every later step then writes nothing (see _one_pass_step) until a call reads it.
+        self._halt = torch.zeros((), dtype=torch.bool, device=self._device) if check == "lagged" else None
         by_rule = {}
         for layer in layers:
             by_rule.setdefault(id(layer.rule), []).append(layer)
@@ -269,7 +273,8 @@ class CapturedStep:
             return self._call()
 
     def _call(self):
-        self.check()  # "manual": the previous step's outcome goes unread only until this call
+        if self.check_mode != "lagged":
+            self.check()  # "manual": the previous step's outcome goes unread only until this call
         step = self.step + 1
         for group in self._groups:
             group.set(step)
@@ -282,7 +287,10 @@ class CapturedStep:
             self.graph.replay()
             returned = self.loss
         self.step, self._checked = step, False
-        if self.check_mode == "every step" or self.graph is None:  # warm-up steps are always read
+        if self.check_mode == "lagged" and self.graph is not None:
+            self._queue_verdict(step)
+            self._read_verdicts(keep=1)  # every earlier step's: the GPU has this one queued meanwhile
+        elif self.check_mode == "every step" or self.graph is None:  # warm-up steps are always read
             self.check()
         return returned
 
@@ -333,6 +341,12 @@ class CapturedStep:
             coefficient = clip_coefficient(self.max_norm, self.last_norm)  # the previous step's factor
         self._norms = None if coefficient is None else {}
         self._inputs, self._grad_scale = None, 1.0 if coefficient is None else coefficient
+        if self._halt is not None:
+            # A step after an unread non-finite one scales every gradient by NaN: the fused
+            # kernels then store no tile (fused_weight_update's grad_scale); by 1.0 (or the
+            # clip coefficient) otherwise, which changes no bit.
+            base = torch.ones((), dtype=torch.float32, device=self._device) if coefficient is None else coefficient
+            self._grad_scale = torch.where(self._halt, torch.full_like(base, math.nan), base).reshape(1)
         returned = self._run_step_fn("step", step)
         norm = None
         if coefficient is not None:
@@ -383,11 +397,15 @@ class CapturedStep:
         self._verdict = statuses
         if norm is not None:  # one more row, in the same copy (the int32 counts are exact in float64)
             self._verdict = torch.cat([statuses.double(), norm.double().expand(1, statuses.shape[1])])
-        if norm is None and self.optimizer is None:
+        if norm is None and self.optimizer is None and self._halt is None:
             return
         bad = statuses.any()
         if norm is not None:
             bad = bad | ~torch.isfinite(norm)
+        if self._halt is not None:
+            bad = bad | self._halt  # a halted step steps nothing, the optimizer and last_norm included
+            self._halt.copy_(bad)
+        if norm is not None:
             self.last_norm.copy_(torch.where(bad, self.last_norm, norm))
         if self.optimizer is None:
             return
@@ -475,15 +493,51 @@ class CapturedStep:
     def check(self):
         """Read the latest step's outcome for every fused layer, and its global norm when
         clipping (one synchronization); raise its first error, after stopping the capture
-        (see the module docstring)."""
+        (see the module docstring). With ``check="lagged"``, every step not yet read, oldest
+        first."""
         if self._checked or not self.active:
             return
         self._checked = True
+        if self._unread:
+            self._read_verdicts(keep=0)
+            return
         with torch.cuda.device(self._device):
             read = self._verdict.cpu()
-        bad = [layer for layer, status in zip(self.layers, read) if bool(status.any())]
+        self._judge(read, self.step)
+
+    def _queue_verdict(self, step):
+        """check="lagged": copy the replay's verdict to pinned host memory, behind it on the stream."""
+        host = torch.empty(self._verdict.shape, dtype=self._verdict.dtype, pin_memory=True)
+        host.copy_(self._verdict, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._unread.append((step, host, done))
+
+    def _read_verdicts(self, keep):
+        """check="lagged": read the queued verdicts but the latest ``keep``, oldest first. A
+        bad one stops the capture at its step: the steps after it, halted on the device,
+        wrote nothing, so the layers are where ``check="every step"`` would leave them."""
+        while len(self._unread) > keep:
+            step, host, done = self._unread.pop(0)
+            done.synchronize()
+            if bool(host[:len(self.layers)].any()) or (self.max_norm is not None and not math.isfinite(float(host[-1, 0]))):
+                # Let the halted replays behind it finish before the layers go back to eager use.
+                torch.cuda.current_stream(self._device).synchronize()
+                self._unread.clear()
+                self._judge(host, step, lagged=True)
+
+    def _judge(self, read, step, lagged=False):
+        """Raise the first error of one step's verdict ``read`` (on the host), after stopping
+        the capture at ``step``; return if the step was clean. ``lagged``: a later replay has
+        run since, so each layer's error comes from its words in ``read``, not its report."""
+        bad = [(layer, status) for layer, status in zip(self.layers, read) if bool(status.any())]
         errors = {}
-        for layer in bad:
+        for layer, status in bad:
+            if lagged:
+                error = self._outcomes[layer].error_from([int(word) for word in status.tolist()])
+                if error is not None:
+                    errors[layer] = error
+                continue
             try:
                 self._outcomes[layer].check()
             except FloatingPointError as error:
@@ -494,14 +548,14 @@ class CapturedStep:
                 return
             # Every fused layer stepped cleanly (they step before the norm is known); the
             # optimizer was skipped in the graph.
-            self._stop(self.step)
+            self._stop(step)
             error = non_finite_norm_error(norm, PREVIOUS_NORM_STEPPED)
-            error.args = (f"step {self.step} (CapturedStep): {error.args[0]}; the capture is stopped and the layers "
+            error.args = (f"step {step} (CapturedStep): {error.args[0]}; the capture is stopped and the layers "
                           "released",)
             raise error
-        self._stop(self.step, errors)
+        self._stop(step, errors)
         (first_layer, first), *others = errors.items()
-        first.args = (f"fused layer {first_layer.forge_name!r}, step {self.step} (CapturedStep): {first.args[0]}; "
+        first.args = (f"fused layer {first_layer.forge_name!r}, step {step} (CapturedStep): {first.args[0]}; "
                       "the capture is stopped and the layers released",) + first.args[1:]
         if hasattr(first, "add_note"):
             for layer, error in others:

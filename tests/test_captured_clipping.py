@@ -83,20 +83,23 @@ def _batches(dtype):
                                    ("no-clipping", None, "gradient")]],
     # The Hopper kernel takes bf16 activations and fp32 or bf16 state (the others run portable).
     pytest.param("bf16", MAX_NORM, "tiles", HOPPER, id="bf16-previous-norm-tiles-hopper", marks=on_hopper)])
-def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm, config):
+@pytest.mark.parametrize("check", ["every step", "lagged"])
+def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm, config, check):
     """Step 1 (exact, two passes, eager), one warm-up step, the capture and four replays:
     after each, the loss, the global norm, every weight, fused state slot and step count,
     and the torch optimizer's state equal those of fk.Trainer with the same clipping and
     the same fused norms (from the gradients, or from the tile loops). The captured steps
     include steps scaled by the previous norm's factor and steps not. The Hopper case
-    steps through that kernel, its clip factor a device tensor inside the graph."""
+    steps through that kernel, its clip factor a device tensor inside the graph. With
+    check="lagged" the steps scale by 1.0 or the clip factor where no earlier step was
+    bad, which changes no bit."""
     (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair(regime, config)
     clipping = None if max_norm is None else "previous-norm"
     trainer = fk.Trainer(eager, eager_optimizer, max_norm=max_norm, clipping=clipping or "exact", norm=norm)
     dtype = REGIMES[regime][0]
     static_x, static_scale = torch.empty(24, 48, device="cuda", dtype=dtype), torch.ones((), device="cuda")
     step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=max_norm, clipping=clipping,
-                     norm=norm)
+                     norm=norm, check=check)
     norms = []
     for index, (x, scale) in enumerate(zip(_batches(dtype), SCALES)):
         static_x.copy_(x)
@@ -124,14 +127,17 @@ def test_captured_steps_are_bitwise_the_trainers(regime, max_norm, norm, config)
 @uncaptured_capturable
 @pytest.mark.parametrize("norm", fk.training.NORMS)
 @pytest.mark.parametrize("poison", ["unfused gradient", "input", "fused state"])
-def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_raises(poison, norm):
+@pytest.mark.parametrize("check", ["every step", "lagged"])
+def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_raises(poison, norm, check):
     """On the fifth step (a replay), an unfused gradient made infinite (the global norm is
     not finite; the fused layers have stepped), a NaN input (the fused layers write
     nothing), or an infinite first moment in one fused weight's state (its tile is not
     finite and is skipped, while the norm is finite: the step's own verdict alone skips
     the optimizer): the CapturedStep raises the Trainer's error and stops; the torch
     optimizer was skipped on the device; weights, states, step counts and the last finite
-    norm are the Trainer's, bitwise, and no gradient is left."""
+    norm are the Trainer's, bitwise, and no gradient is left. With check="lagged" the
+    poisoned call returns and the next one (a sixth step, halted on the device: nothing
+    written, the optimizer skipped) raises the fifth step's error."""
     (eager, graphed), (eager_optimizer, graphed_optimizer) = _pair("fp32")
     factor = torch.ones((), device="cuda")  # 1, or inf on the poisoned step: read in the graph too
     for model in (eager, graphed):
@@ -139,7 +145,7 @@ def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_rai
     trainer = fk.Trainer(eager, eager_optimizer, max_norm=MAX_NORM, clipping="previous-norm", norm=norm)
     static_x, static_scale = torch.empty(24, 48, device="cuda"), torch.ones((), device="cuda")
     step = _captured(graphed, graphed_optimizer, static_x, static_scale, max_norm=MAX_NORM, clipping="previous-norm",
-                     norm=norm)
+                     norm=norm, check=check)
     error, message = {"unfused gradient": (FloatingPointError, "the fused layers have stepped"),
                       "input": (fk.NonFiniteInputError, "non-finite"),
                       "fused state": (fk.NonFiniteUpdateError, "non-finite")}[poison]
@@ -154,6 +160,9 @@ def test_a_non_finite_replay_skips_the_optimizer_and_stops_where_the_trainer_rai
             factor.fill_(float("inf"))
         static_x.copy_(x)
         if poisoned:
+            if check == "lagged":
+                step()  # read during the next call, which launches a halted sixth step first
+                static_x.copy_(next(iter(_batches(torch.float32))))
             with pytest.raises(error, match=message) as raised:
                 step()
             assert "step 5 (CapturedStep)" in str(raised.value) and "capture is stopped" in str(raised.value)

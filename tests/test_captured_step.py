@@ -122,6 +122,86 @@ def test_a_non_finite_replay_stops_the_capture_and_writes_nothing():
 
 
 @needs_cuda
+@pytest.mark.exactness
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_lagged_replays_are_bitwise_the_every_step_replays(regime):
+    """check="lagged" (each step read during the next call) steps the same bits as the
+    default: after each call the losses, and after the last every weight, state slot
+    and forge_step, equal; reading the model (state_dict) reads every queued step."""
+    (every, lagged), batch = _models("cuda", regime)
+    dtype = REGIMES[regime][0]
+    inputs = [torch.empty(24, 48, device="cuda", dtype=dtype) for _ in range(2)]
+    steps = [_captured(every, inputs[0]), _captured(lagged, inputs[1], check="lagged")]
+    for index in range(6):
+        x = batch()
+        losses = []
+        for static_x, step in zip(inputs, steps):
+            static_x.copy_(x)
+            losses.append(step().clone())
+        assert_bitwise_equal(losses[1], losses[0], f"loss, step {index + 1}")
+    _assert_same_models(lagged, every, "after six steps")
+    assert int(lagged[0].forge_step) == 6
+
+
+@needs_cuda
+def test_a_lagged_non_finite_replay_stops_at_its_own_step():
+    """check="lagged": the call after a step with a NaN input raises that step's error; the
+    step it launched meanwhile was halted on the device and wrote nothing, so the layers
+    are where check="every step" leaves them (both back at step 3), and eager training
+    goes on from there."""
+    (_, graphed), batch = _models("cuda", "fp32")
+    static_x = torch.empty(24, 48, device="cuda")
+    step = _captured(graphed, static_x, check="lagged")
+    for _ in range(3):
+        static_x.copy_(batch())
+        step()
+    step.check()
+    before = {k: v.clone() for k, v in graphed.state_dict().items()}
+    static_x[3, 5] = float("nan")
+    step()  # step 4: read during the next call
+    static_x.copy_(batch())
+    with pytest.raises(fk.NonFiniteInputError, match=r"(?s)step 4 \(CapturedStep\).*capture is stopped"):
+        step()  # step 5 launches (halted), then step 4 is read
+    assert not step.active
+    for name, tensor in graphed.state_dict().items():
+        assert_bitwise_equal(tensor, before[name], f"after the refused and the halted replay: {name}")
+    _loss(graphed, static_x).backward()
+    fk.check_updates(graphed)
+    assert int(graphed[0].forge_step) == 4
+
+
+@needs_cuda
+def test_lagged_non_finite_tiles_stop_the_layer_with_its_tiles_counted():
+    """A NaN in one state element: that tile is left unstepped (the other tiles and the
+    other layer step); the lagged read raises NonFiniteUpdateError with the tile counted,
+    not named (a later replay has reused the flags), and stops the layer at that step, as
+    check="every step" does; the halted replay after it wrote nothing."""
+    (every, lagged), batch = _models("cuda", "fp32")
+    inputs = [torch.empty(24, 48, device="cuda") for _ in range(2)]
+    steps = [_captured(every, inputs[0]), _captured(lagged, inputs[1], check="lagged")]
+    for _ in range(3):
+        x = batch()
+        for static_x, step in zip(inputs, steps):
+            static_x.copy_(x)
+            step()
+    steps[1].check()
+    for model in (every, lagged):
+        model[0].forge_state["exp_avg_sq"][0, 0] = float("nan")
+    x = batch()
+    for static_x in inputs:
+        static_x.copy_(x)
+    with pytest.raises(fk.NonFiniteUpdateError) as eager:
+        steps[0]()
+    steps[1]()
+    inputs[1].copy_(batch())
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"(?s)step 4 \(CapturedStep\).*not named") as late:
+        steps[1]()
+    assert late.value.tiles == [] and eager.value.tiles
+    _assert_same_models(lagged, every, "after the stop")
+    assert int(lagged[2].forge_step) == 4
+
+
+@needs_cuda
 def test_a_captured_layer_refuses_an_eager_backward():
     (_, graphed), batch = _models("cuda", "fp32")
     static_x = torch.empty(24, 48, device="cuda")

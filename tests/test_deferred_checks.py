@@ -138,6 +138,28 @@ def test_deferred_overflowing_tile_names_the_eager_tiles(device, oracle):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_error_from_read_words_is_the_checks_error_with_tiles_counted(device):
+    """``error_from`` (what a lagged CapturedStep raises from a replay's words read before a
+    later replay reused them): check()'s input error as is; the tile error counting the
+    tiles it can no longer name; None for a clean update."""
+    x, dy, w, state, rule, config = _overflow_problem(device)
+    report = fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, report="defer")
+    error = report.error_from([int(word) for word in report.status.tolist()])
+    assert isinstance(error, fk.NonFiniteUpdateError) and error.tiles == []
+    assert str(error).startswith("1 of 9 weight tiles had a non-finite gradient") and "not named" in str(error)
+    x[0, 0] = float("nan")
+    report = fk.fused_weight_update(x, dy, w, state, rule, 2, config=config, report="defer")
+    with pytest.raises(fk.NonFiniteInputError) as checked:
+        report.check()
+    error = report.error_from([int(word) for word in report.status.tolist()])
+    assert isinstance(error, fk.NonFiniteInputError) and str(error) == str(checked.value)
+    x, dy, w, state, rule = _problem(device)
+    report = fk.fused_weight_update(x, dy, w, state, rule, 1, report="defer")
+    assert report.error_from([int(word) for word in report.status.tolist()]) is None
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("report", ["raise", "defer"])
 def test_non_finite_input_wins_over_overflowing_tiles(device, report):
     """An input NaN together with a tile that would overflow: nothing is written at all

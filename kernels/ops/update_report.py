@@ -78,6 +78,22 @@ class UpdateReport:
         event to ask: it says True, and its ``check()`` synchronizes."""
         return self._event is None or self._event.query()
 
+    def error_from(self, words):
+        """The error ``check()`` raises for one replay's status ``words`` (a list of ints,
+        read before a later replay reused them), or None for a clean update. Its
+        non-finite tiles are counted, not named: the later replay has reused ``flags``
+        (``NonFiniteUpdateError.tiles`` is then empty)."""
+        counts = words[:len(self._input_names)]
+        if any(counts):
+            return non_finite_input_error(self._input_names, counts)
+        if not words[BAD_TILES]:
+            return None
+        total = self._grid[0] * self._grid[1] * self._config.epilogue_split
+        return NonFiniteUpdateError(
+            f"{words[BAD_TILES]} of {total} weight tiles had a non-finite gradient, weight or state after the rule "
+            "(not named: a later replay has reused the tile flags). Those tiles were left unchanged; the other "
+            "tiles took the step.", [])
+
     def check(self) -> None:
         """Return if the update was clean; otherwise raise ``NonFiniteInputError``
         (nothing was written) or ``NonFiniteUpdateError`` (the listed tiles were left
