@@ -125,7 +125,7 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
         others = fk.unfused_parameters(model)
     else:
         others = list(model.parameters())
-    captured = method.endswith("captured")
+    captured = "captured" in method
     optimizer = torch.optim.AdamW(others, lr=1e-4, weight_decay=0.01, fused=True, capturable=captured)
     x = torch.randn(batch, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
