@@ -36,8 +36,8 @@ layer's outcome at once (one synchronization); ``check="manual"`` leaves it to
 replays. Either way the GPU idles while the host reads and launches the next step.
 ``check="lagged"`` reads each replay's outcome during the next call, after that call's
 replay is queued (a copy of the outcome to pinned memory behind each replay), so the GPU
-goes from step to step without waiting: 0.26-0.51 ms a step on two Llama-3-8B-shaped
-blocks at 512 tokens and 2.1-2.2 ms on 32 of them, on an H100
+goes from step to step without waiting, which saved 0.26-0.51 ms a step on two
+Llama-3-8B-shaped blocks at 512 tokens and 2.1-2.2 ms on 32 of them, on an H100
 (``benchmarks/bench_model.py --back-to-back``, README
 "Performance"). A replay after a bad one is halted on the device: its gradients are
 scaled by NaN, so no fused layer stores a tile (``fused_weight_update``'s ``grad_scale``),
@@ -45,8 +45,13 @@ and the optimizer and ``last_norm`` are skipped as for a bad step; the call that
 bad replay then stops the capture at that replay's step, the layers where
 ``check="every step"`` leaves them, and raises its error. Its non-finite tiles are counted,
 not named (``NonFiniteUpdateError.tiles`` is empty: the halted replay reused the flags).
-An optimizer stepped inside ``step_fn`` is not halted (it steps in the halted replay
-too): hand it over with ``optimizer=`` (below), which is. A replay in which a layer's
+What the halt covers is the fused layers, the optimizer handed over and ``last_norm``;
+the halted replay still runs the rest of ``step_fn``: an optimizer stepped inside it
+steps (hand it over with ``optimizer=``, below, to have it skipped), the CUDA RNG
+advances, in-place buffers (a norm's running statistics) update, the unfused ``.grad``
+(without ``optimizer=``) and the returned loss tensor take the halted step's values.
+Make every call of a lagged ``CapturedStep`` on one stream: replays on different
+streams could overlap, and a replay must follow the one before it to be halted. A replay in which a layer's
 inputs were non-finite (that layer wrote nothing) or some tiles were non-finite (left
 unstepped) stops the capture: the layers are released with their own step counts, as
 eager training with ``report="defer"`` would leave them, and the error is raised; go on
@@ -535,10 +540,18 @@ class CapturedStep:
             step, host, done = self._unread.pop(0)
             done.synchronize()
             if bool(host[:len(self.layers)].any()) or (self.max_norm is not None and not math.isfinite(float(host[-1, 0]))):
-                # Let the halted replays behind it finish before the layers go back to eager use.
-                torch.cuda.current_stream(self._device).synchronize()
+                # Let the halted replays behind it finish (on whatever stream) before the
+                # layers go back to eager use; none may run after _stop sets their steps.
+                torch.cuda.synchronize(self._device)
+                later = bool(self._unread)  # a later replay has reused the tile flags
                 self._unread.clear()
-                self._judge(host, step, lagged=True)
+                self.step = step
+                self._judge(host, step, lagged=later)
+                # _judge returns only for a clean verdict, and this one was flagged: the device
+                # has halted the capture, so it must stop here rather than go on writing nothing.
+                self._stop(step)
+                raise FloatingPointError(f"step {step} (CapturedStep): outcome words {host.tolist()} flagged with no "
+                                         "error to name; the capture is stopped and the layers released")
 
     def _judge(self, read, step, lagged=False):
         """Raise the first error of one step's verdict ``read`` (on the host), after stopping
@@ -548,9 +561,10 @@ class CapturedStep:
         errors = {}
         for layer, status in bad:
             if lagged:
-                error = self._outcomes[layer].error_from([int(word) for word in status.tolist()])
-                if error is not None:
-                    errors[layer] = error
+                words = [int(word) for word in status.tolist()]
+                # A flagged row always maps to an error: a capture halted on the device must stop.
+                errors[layer] = (self._outcomes[layer].error_from(words)
+                                 or FloatingPointError(f"unexpected status words {words}"))
                 continue
             try:
                 self._outcomes[layer].check()

@@ -162,7 +162,7 @@ def test_a_lagged_non_finite_replay_stops_at_its_own_step():
     static_x.copy_(batch())
     with pytest.raises(fk.NonFiniteInputError, match=r"(?s)step 4 \(CapturedStep\).*capture is stopped"):
         step()  # step 5 launches (halted), then step 4 is read
-    assert not step.active
+    assert not step.active and step.step == 4
     for name, tensor in graphed.state_dict().items():
         assert_bitwise_equal(tensor, before[name], f"after the refused and the halted replay: {name}")
     _loss(graphed, static_x).backward()
@@ -171,11 +171,14 @@ def test_a_lagged_non_finite_replay_stops_at_its_own_step():
 
 
 @needs_cuda
-def test_lagged_non_finite_tiles_stop_the_layer_with_its_tiles_counted():
+@pytest.mark.parametrize("read_by", ["next call", "check"])
+def test_lagged_non_finite_tiles_stop_the_layer_with_its_tiles_counted(read_by):
     """A NaN in one state element: that tile is left unstepped (the other tiles and the
-    other layer step); the lagged read raises NonFiniteUpdateError with the tile counted,
-    not named (a later replay has reused the flags), and stops the layer at that step, as
-    check="every step" does; the halted replay after it wrote nothing."""
+    other layer step); read by the next call, the lagged step raises NonFiniteUpdateError
+    with the tile counted, not named (the halted replay the call launched first has reused
+    the flags); read by check() before any later replay, with the tile named as
+    check="every step" names it. Either way the layer stops at that step, as
+    check="every step" stops it, and a halted replay wrote nothing."""
     (every, lagged), batch = _models("cuda", "fp32")
     inputs = [torch.empty(24, 48, device="cuda") for _ in range(2)]
     steps = [_captured(every, inputs[0]), _captured(lagged, inputs[1], check="lagged")]
@@ -194,9 +197,10 @@ def test_lagged_non_finite_tiles_stop_the_layer_with_its_tiles_counted():
         steps[0]()
     steps[1]()
     inputs[1].copy_(batch())
-    with pytest.raises(fk.NonFiniteUpdateError, match=r"(?s)step 4 \(CapturedStep\).*not named") as late:
-        steps[1]()
-    assert late.value.tiles == [] and eager.value.tiles
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"(?s)step 4 \(CapturedStep\)") as late:
+        steps[1]() if read_by == "next call" else steps[1].check()
+    assert eager.value.tiles
+    assert late.value.tiles == ([] if read_by == "next call" else eager.value.tiles)
     for model in (every, lagged):  # a checkpoint (the state compared) refuses mixed-step tiles unaccepted
         model[0].forge_accept_partial_step()
     _assert_same_models(lagged, every, "after the stop")
