@@ -42,7 +42,9 @@ Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
 forward, backward and optimizer; the host waits for each step before the next is timed);
 with ``--back-to-back N``, medians over ``--steps`` runs of N steps called one after
 another, as a training loop calls them (CUDA events around the N calls, one wait at
-the end), divided by N; peak is ``torch.cuda.max_memory_allocated`` over the
+the end), divided by N; ``--hand-over-optimizer`` hands the norms' AdamW of the ``forge
+captured`` methods to the ``CapturedStep`` (``optimizer=``, stepped through ``found_inf``,
+so a lagged step's halt covers it) instead of stepping it in ``step_fn``; peak is ``torch.cuda.max_memory_allocated`` over the
 timed steps, and ``reserved`` ``torch.cuda.max_memory_reserved`` over them, the
 allocator's cache emptied after warm-up: the blocks the live tensors and the steps take,
 and a captured graph's private pool, which holds what its step allocates (a replayed
@@ -112,7 +114,7 @@ def build(layers, dtype, seed=0):
 METHODS = ("torch", "torch captured", "forge", "forge deferred", "forge captured", "forge captured lagged")
 
 
-def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient"):
+def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient", hand_over=False):
     dtype = torch.float32 if name == "fp32-master" else torch.bfloat16
     model = build(layers, dtype)
     deferred = method in ("forge deferred", "forge captured", "forge captured lagged")
@@ -154,6 +156,8 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
         trainer = fk.Trainer(model, optimizer, max_norm=max_norm, clipping="previous-norm", norm=norm)
         return model, lambda: trainer.step(loss_fn)
     if method.startswith("forge captured"):
+        if hand_over:  # the CapturedStep steps the norms' AdamW (halted with the fused layers when lagged)
+            return model, fk.CapturedStep(model, forward_backward, optimizer=optimizer, check=check)
         return model, fk.CapturedStep(model, step_fn, check=check)
     if method == "torch captured":
         return model, torch_graph(step_fn)
@@ -245,6 +249,9 @@ def main(argv=None):
     parser.add_argument("--tokens", default="512,4096")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--hand-over-optimizer", action="store_true",
+                        help="forge captured methods: hand the norms' AdamW to the CapturedStep (optimizer=) instead "
+                             "of stepping it in step_fn (what --max-norm does anyway)")
     parser.add_argument("--back-to-back", type=int, default=1, metavar="N",
                         help="time runs of N steps called one after another (one wait per run)")
     parser.add_argument("--variants", default="bf16,fp32-master")
@@ -260,7 +267,8 @@ def main(argv=None):
     configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "commit": os.environ.get("FORGE_COMMIT", "unknown"),
-            "layers": args.layers, "max_norm": args.max_norm, "norm": args.norm if args.max_norm else None}
+            "layers": args.layers, "max_norm": args.max_norm, "norm": args.norm if args.max_norm else None,
+            "hand_over_optimizer": args.hand_over_optimizer}
     rows = []
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -290,7 +298,7 @@ def main(argv=None):
                           f"{batch}", flush=True)
                     continue
                 model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
-                                      norm=args.norm)
+                                      norm=args.norm, hand_over=args.hand_over_optimizer)
                 median, low, high, peak, reserved = measure(step, args.warmup, args.steps, args.back_to_back)
                 rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
                              "back_to_back": args.back_to_back, "median_ms": f"{median:.3f}",
