@@ -33,27 +33,9 @@ its ``forge_step`` is written inside the graph.
 After each replay (``check="every step"``, the default) the call reads every fused
 layer's outcome at once (one synchronization); ``check="manual"`` leaves it to
 ``check()``, which reads the latest replay's outcome, or to the next call, before it
-replays. Either way the GPU idles while the host reads and launches the next step.
-``check="lagged"`` reads each replay's outcome during the next call, after that call's
-replay is queued (a copy of the outcome to pinned memory behind each replay), so the GPU
-goes from step to step without waiting, which saved 0.26-0.51 ms a step on two
-Llama-3-8B-shaped blocks at 512 tokens and 2.1-2.2 ms on 32 of them, on an H100
-(``benchmarks/bench_model.py --back-to-back``, README
-"Performance"). A replay after a bad one is halted on the device: its gradients are
-scaled by NaN, so no fused layer stores a tile (``fused_weight_update``'s ``grad_scale``),
-and the optimizer and ``last_norm`` are skipped as for a bad step; the call that reads the
-bad replay then stops the capture at that replay's step, the layers where
-``check="every step"`` leaves them, and raises its error. Its non-finite tiles are counted,
-not named (``NonFiniteUpdateError.tiles`` is empty: the halted replay reused the flags).
-What the halt covers is the fused layers, the optimizer handed over and ``last_norm``;
-the halted replay still runs the rest of ``step_fn``: an optimizer stepped inside it
-steps (hand it over with ``optimizer=``, below, to have it skipped), the CUDA RNG
-advances, in-place buffers (a norm's running statistics) update, the unfused ``.grad``
-(without ``optimizer=``) and the returned loss tensor take the halted step's values.
-Make every call of a lagged ``CapturedStep`` on one stream: replays on different
-streams could overlap, and a replay must follow the one before it to be halted. A replay in which a layer's
-inputs were non-finite (that layer wrote nothing) or some tiles were non-finite (left
-unstepped) stops the capture: the layers are released with their own step counts, as
+replays. Either way the GPU idles while the host reads and launches the next step. A
+replay in which a layer's inputs were non-finite (that layer wrote nothing) or some tiles
+were non-finite (left unstepped) stops the capture: the layers are released with their own step counts, as
 eager training with ``report="defer"`` would leave them, and the error is raised; go on
 eagerly, or from a checkpoint. An error inside ``step_fn`` during a warm-up step, or a
 layer stepped twice in one step (gradient accumulation: refused) or not at all, also
@@ -62,6 +44,25 @@ an eager backward (its steps would be counted twice), ``fk.Trainer``, a second
 ``CapturedStep`` and a checkpoint load; a deep copy of it is not captured.
 ``release()`` gives the layers back. ``state_dict()`` of a captured model checks the
 latest replay first.
+
+``check="lagged"`` reads each replay's outcome during the next call, after that call's
+replay is queued (a copy of the outcome to pinned memory behind each replay), so the GPU
+goes from step to step without waiting, which saved 0.26-0.51 ms a step on two
+Llama-3-8B-shaped blocks at 512 tokens and 2.1-2.2 ms on 32 of them, on an H100
+(``benchmarks/bench_model.py --back-to-back``, README "Performance"). A replay after a bad
+one is halted on the device: its gradients are scaled by NaN, so no fused layer stores a
+tile (``fused_weight_update``'s ``grad_scale``), and the optimizer and ``last_norm`` are
+skipped as for a bad step; the call that reads the bad replay then stops the capture at
+that replay's step, the layers where ``check="every step"`` leaves them, and raises its
+error. Its non-finite tiles are counted, not named (``NonFiniteUpdateError.tiles`` is
+empty: the halted replay reused the flags), unless ``check()`` reads it before another call. What the halt covers is the fused layers, the
+optimizer handed over and ``last_norm``; the halted replay still runs the rest of
+``step_fn``: an optimizer stepped inside it steps (hand it over with ``optimizer=``,
+below, to have it skipped), the CUDA RNG advances, in-place buffers (a norm's running
+statistics) update, the unfused ``.grad`` (without ``optimizer=``) and the returned loss
+tensor take the halted step's values. Make every call of a lagged ``CapturedStep`` on one
+stream: replays on different streams could overlap, and a replay must follow the one
+before it to be halted.
 
 ``optimizer=``: the torch optimizer of the unfused parameters (exactly
 ``fk.unfused_parameters(model)``'s trainable ones), handed to the ``CapturedStep`` as to
@@ -539,7 +540,7 @@ class CapturedStep:
         while len(self._unread) > keep:
             step, host, done = self._unread.pop(0)
             done.synchronize()
-            if bool(host[:len(self.layers)].any()) or (self.max_norm is not None and not math.isfinite(float(host[-1, 0]))):
+            if self._flagged(host):
                 # Let the halted replays behind it finish (on whatever stream) before the
                 # layers go back to eager use; none may run after _stop sets their steps.
                 torch.cuda.synchronize(self._device)
@@ -552,6 +553,12 @@ class CapturedStep:
                 self._stop(step)
                 raise FloatingPointError(f"step {step} (CapturedStep): outcome words {host.tolist()} flagged with no "
                                          "error to name; the capture is stopped and the layers released")
+
+    def _flagged(self, read):
+        """Whether a verdict read on the host is bad, as ``_finish``'s ``bad`` on the device:
+        a layer's nonzero status word, or a non-finite global norm."""
+        return bool(read[:len(self.layers)].any()) or (self.max_norm is not None
+                                                       and not math.isfinite(float(read[-1, 0])))
 
     def _judge(self, read, step, lagged=False):
         """Raise the first error of one step's verdict ``read`` (on the host), after stopping

@@ -17,8 +17,9 @@ warps are for the bf16 epilogues, which Nsight Compute found latency-bound even 
 warps per multiprocessor (the portable fused tile and the streaming epilogue;
 benchmarks/README.md, "bf16 rounded to nearest by the hardware's conversion"), where eight
 leave half as many warps to hide that latency; they leave each thread 72-80 registers, so
-only tiles of at most 64 columns compile (results/tuning/ptxas-split-16-warps-3.9.txt);
-not yet run on a GPU."""
+only tiles of at most 64 columns compile (results/tuning/ptxas-split-16-warps-3.9.txt).
+On an H100 they pass tests/test_hopper_update.py's cases and are bf16-SR's tile at
+256-1,023 tokens (results/h100-hopper-tests-16-warps-16116a5.log, README "On an H100 again")."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -103,8 +103,8 @@ class UpdateReport:
             words = self._host.tolist()
         else:
             words = self.status.tolist()  # CPU: no stream to wait for; GPU without a copy: one sync
-        counts = words[:len(self._input_names)]
-        if any(counts):
-            raise non_finite_input_error(self._input_names, counts)
-        if words[BAD_TILES]:
-            _raise_if_flagged(self.flags, self._grid, self._config, *self._shape)
+        error = self.error_from(words)
+        if isinstance(error, NonFiniteUpdateError):
+            _raise_if_flagged(self.flags, self._grid, self._config, *self._shape)  # the same error, tiles named
+        if error is not None:
+            raise error
