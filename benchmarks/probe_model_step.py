@@ -8,7 +8,7 @@ between a step's GPU activities the idle it shows exceeds the unprofiled step's:
 idle as ``bench_model``'s wall time minus the busy time here.
 
     python3 benchmarks/probe_model_step.py [--layers 2] [--tokens 512,4096] [--variants bf16] \
-        [--methods "torch captured,forge captured"] [--max-norm 1.0 --norm tiles]
+        [--methods "torch captured,forge captured"] [--max-norm 1.0 --norm tiles] [--back-to-back 10]
 """
 
 import argparse
@@ -71,28 +71,29 @@ def busy_and_gaps(intervals):
     return busy, gaps
 
 
-def breakdown(step, steps):
-    """Per step of ``steps`` profiled ones: the median wall time (``bench_model.measure``:
-    events around each step, synchronized after it), the mean GPU time per kind and kernel,
+def breakdown(step, steps, back_to_back=1):
+    """Per step of ``steps`` profiled runs of ``back_to_back`` calls: the median wall time
+    (``bench_model.measure``: events around each run, synchronized after it), the mean GPU
+    time per kind and kernel,
     the GPU's busy time (the union of its activities' intervals) and the idle gaps inside
-    the profiled steps: each gap is measured from the latest end so far, and the
-    ``steps - 1`` gaps between steps, where the host waits for the synchronization and
+    the profiled runs: each gap is measured from the latest end so far, and the
+    ``steps - 1`` gaps between runs, where the host waits for the synchronization and
     runs the next call, are dropped, taken to be the largest (they were 0.1-0.9 ms on the
     H200, the gaps inside a step at most 0.13 ms; the wall time holds only the part of
     them after the next step's start event)."""
     for _ in range(4):
         step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wall = bm.measure(step, warmup=0, steps=steps)[0]
+        wall = bm.measure(step, warmup=0, steps=steps, back_to_back=back_to_back)[0]
     per_kind, per_name = collections.Counter(), collections.Counter()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     for event in events:
-        us = event.time_range.elapsed_us() / steps
+        us = event.time_range.elapsed_us() / (steps * back_to_back)
         per_kind[kind(event.name)] += us
         per_name[event.name] += us
     busy, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end, e.name) for e in events])
-    return wall, busy / steps, per_kind, per_name, sorted(gaps, reverse=True)[steps - 1:]
+    return wall, busy / (steps * back_to_back), per_kind, per_name, sorted(gaps, reverse=True)[steps - 1:]
 
 
 def main(argv=None):
@@ -104,20 +105,22 @@ def main(argv=None):
     parser.add_argument("--max-norm", type=float, default=None)
     parser.add_argument("--norm", choices=("gradient", "tiles"), default="gradient")
     parser.add_argument("--top", type=int, default=8, help="also list this many kernels by time")
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps per row")
+    parser.add_argument("--steps", type=int, default=3, help="profiled runs per row")
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="calls per run with no wait between them, as a training loop calls steps")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("probe_model_step.py measures on a GPU; none is visible here")
     configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"per step of {args.steps} profiled steps (wall: median; GPU times: mean)")
+          f"per step of {args.steps} profiled runs of {args.back_to_back} call(s) (wall: median; GPU times: mean)")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name in args.variants.split(","):
             for method in args.methods.split(","):
                 model, step = bm.variant(name, method, args.layers, tokens, configs,
                                          max_norm=args.max_norm, norm=args.norm)
-                wall_ms, busy_us, per_kind, per_name, gaps = breakdown(step, args.steps)
-                idle = sum(g for g, _, _ in gaps) / args.steps / 1e3
+                wall_ms, busy_us, per_kind, per_name, gaps = breakdown(step, args.steps, args.back_to_back)
+                idle = sum(g for g, _, _ in gaps) / (args.steps * args.back_to_back) / 1e3
                 print(f"T={tokens:5d} {name:11s} {method:15s} wall {wall_ms:6.2f} ms, GPU busy {busy_us / 1e3:6.2f} ms, "
                       f"idle inside the steps {idle:5.3f} ms; largest gaps (us, all steps): "
                       f"{', '.join(f'{g:.0f}' for g, _, _ in gaps[:6])}")
