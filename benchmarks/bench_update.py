@@ -375,7 +375,11 @@ def tune(shape, tokens, regimes, candidates, bandwidth, matrix_rate, writer, met
             floor = floor_ms(n, k, t, regime, bandwidth, matrix_rate)
             results = []
             for candidate in candidates:
-                config = fk.TileConfig(*candidate)
+                try:
+                    config = fk.TileConfig(*candidate)
+                except ValueError as error:  # a tile this kernel does not take: said, and swept past
+                    print(f"  {regime} T={t} {candidate}: {error}", file=sys.stderr)
+                    continue
                 if REGIMES[regime][1] == "q8" and config.part_shape[1] < fk.q8.BLOCK:
                     continue
                 try:
