@@ -112,12 +112,14 @@ def build(layers, dtype, seed=0):
 
 
 METHODS = ("torch", "torch captured", "forge", "forge deferred", "forge captured", "forge captured lagged")
+# The FORGE methods that read each layer's outcome after the backward (and so take clipping).
+DEFERRED = ("forge deferred", "forge captured", "forge captured lagged")
 
 
 def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient", hand_over=False):
     dtype = torch.float32 if name == "fp32-master" else torch.bfloat16
     model = build(layers, dtype)
-    deferred = method in ("forge deferred", "forge captured", "forge captured lagged")
+    deferred = method in DEFERRED
     if method.startswith("forge"):
         regime = {"bf16": "bf16-sr", "bf16-rn": "bf16-rn", "fp32-master": "fp32", "q8": "q8"}[name]
         config = tuned_config(configs, regime, tokens * batch) if configs else fk.PINNED
@@ -274,8 +276,7 @@ def main(argv=None):
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
-    unclipped = [m for m in methods if m.startswith("forge")
-                 and m not in ("forge deferred", "forge captured", "forge captured lagged")]
+    unclipped = [m for m in methods if m.startswith("forge") and m not in DEFERRED]
     if args.max_norm is not None and unclipped:
         parser.error(f"--max-norm: {unclipped} have no clipping variant (use forge deferred or forge captured)")
     if args.fit_under is not None:
@@ -304,7 +305,7 @@ def main(argv=None):
                              "back_to_back": args.back_to_back, "median_ms": f"{median:.3f}",
                              "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak,
                              "peak_reserved_bytes": reserved})
-                print(f"T={tokens:5d} {name:11s} {method:14s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB  "
+                print(f"T={tokens:5d} {name:11s} {method:21s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB  "
                       f"reserved {reserved / 2**30:6.2f} GiB", flush=True)
                 # A fused layer and its weight's hook refer to each other: without a collection
                 # the model outlives `del` and its weights and state count in the next peak.
