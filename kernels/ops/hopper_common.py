@@ -137,18 +137,55 @@ def _square_sum(g):
 
 
 @gluon.jit
+def _release_slots(epi_free, grad_free, RELEASE_GRAD: gl.constexpr):
+    """Hand the staging slot (and with ``RELEASE_GRAD`` the gradient slot) back once every
+    warp of the partition has read it."""
+    # The slot's next TMA copy is issued once every warp has passed the barrier below, but a
+    # warp's loads may still be in flight there, and the copy's writes (the async proxy) are
+    # not ordered behind them: this proxy fence is what keeps the copy from overwriting
+    # values not yet read (without it, eight epilogue warps read part of a weight row of
+    # the next part on an H200: results/tuning/h200-slot-war-race.log).
+    fence_async_shared()
+    _partition_barrier()
+    mbarrier.arrive(epi_free)
+    if RELEASE_GRAD:
+        mbarrier.arrive(grad_free)
+
+
+@gluon.constexpr_function
+def _counts_layout(rows, num_warps):
+    """A part's row counts, all of them in every warp (each lane a share, the warps
+    alike), so that their sum needs no shared memory or barrier of its own."""
+    return gl.BlockedLayout([max(1, rows // 32)], [32], [num_warps], [0])
+
+
+@gluon.constexpr_function
+def _counts_buffers_layout():
+    """A part's row counts in shared memory, unswizzled (the layout of each of the two)."""
+    return gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+
+
+@gluon.jit
 def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_smem, s0_smem, s1_smem, s2_smem,
                    epi_ready, epi_free, phase, grad_free, RELEASE_GRAD: gl.constexpr, inputs_ok, flag, off_n, off_k,
                    N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed,
                    RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                    HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
-                   ALIGNED: gl.constexpr):
+                   ALIGNED: gl.constexpr, counts_smem, ONE_BARRIER: gl.constexpr):
     """The portable epilogue's arithmetic on one part (BLOCK_N x SUB: the staging slot's
     shape, a column or a row part) of a tile whose first element is at (off_n, off_k), on
     the calling partition's warps: its gradient ``g`` in the epilogue layout, its weight and state in one
     staging slot, the portable kernel's ``_rule_epilogue`` on its ``epilogue_split`` slice
     ``flag``. With ``RELEASE_GRAD`` (the last part of a tile whose gradient waits in a slot
-    of its own) that slot is handed back (``grad_free``) with the staging slot."""
+    of its own) that slot is handed back (``grad_free``) with the staging slot.
+
+    The part's non-finite count (its verdict) is a sum over every warp's elements, and no
+    element is stored before it. With ``ONE_BARRIER`` the warps write their rows' counts to
+    ``counts_smem`` (the caller alternates two, so that no warp still reading one part's
+    counts sees the next part's written) and the barrier that hands the staging slot back also
+    publishes them, where a cross-warp ``gl.sum`` waits at barriers of its own after the
+    slot's barrier: the same count (an integer sum), one barrier a part instead of
+    several, the slot handed back after the rule's arithmetic instead of before it."""
     BLOCK_N: gl.constexpr = w_smem.shape[0]
     SUB: gl.constexpr = w_smem.shape[1]
     WARPS: gl.constexpr = gl.num_warps()  # a ping-pong consumer's 4, the split kernel's epilogue's 8 or 16
@@ -160,16 +197,8 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
     s0 = _slot(s0_smem, zeros, HAS_S0, epi)
     s1 = _slot(s1_smem, zeros, HAS_S1, epi)
     s2 = _slot(s2_smem, zeros, HAS_S2, epi)
-    # The slot's next TMA copy is issued once every warp has passed the barrier below, but a
-    # warp's loads may still be in flight there, and the copy's writes (the async proxy) are
-    # not ordered behind them: this proxy fence is what keeps the copy from overwriting
-    # values not yet read (without it, eight epilogue warps read part of a weight row of
-    # the next part on an H200: results/tuning/h200-slot-war-race.log).
-    fence_async_shared()
-    _partition_barrier()  # every warp has read the slot (and g) before either is reused
-    mbarrier.arrive(epi_free)
-    if RELEASE_GRAD:
-        mbarrier.arrive(grad_free)
+    if not ONE_BARRIER:
+        _release_slots(epi_free, grad_free, RELEASE_GRAD)
     w, s0, s1, s2 = RULE(w, g, s0, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7, VARIANT)
     r0 = zeros.to(gl.uint32, bitcast=True)  # placeholders: nearest rounding and fp32 stores draw nothing
     r1 = r0
@@ -188,7 +217,13 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
     cols = off_k + gl.arange(0, SUB, layout=gl.SliceLayout(0, epi))
     inside = (rows < N)[:, None] & (cols < K)[None, :]
-    num_bad = gl.sum(gl.sum(gl.where(inside & ~finite, 1, 0), axis=1), axis=0)
+    row_bad = gl.sum(gl.where(inside & ~finite, 1, 0), axis=1)
+    if ONE_BARRIER:
+        counts_smem.store(row_bad)
+        _release_slots(epi_free, grad_free, RELEASE_GRAD)  # also: every warp's row counts are in shared memory
+        num_bad = gl.sum(counts_smem.load(_counts_layout(BLOCK_N, WARPS)), axis=0)
+    else:
+        num_bad = gl.sum(row_bad, axis=0)
     idx = rows[:, None] * K + cols[None, :]
     keep = inside & ((idx * 0 + ((num_bad == 0) & inputs_ok).to(gl.int32)) != 0)
     gl.store(w_ptr + idx, w_new, mask=keep)

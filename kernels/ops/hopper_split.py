@@ -26,8 +26,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .fused_weight_update import _device_grad_scale, _device_scalars
-from .hopper_common import (_GRADIENT_LAYOUT, _barriers, _epilogue_layout, _epilogue_part, _fill_slot, _fill_stage,
-                            _partition_barrier, _ring, _square_sum, _staging_slots, _token_loop)
+from .hopper_common import (_GRADIENT_LAYOUT, _barriers, _counts_buffers_layout, _epilogue_layout, _epilogue_part,
+                            _fill_slot, _fill_stage, _partition_barrier, _ring, _square_sum, _staging_slots,
+                            _token_loop)
 
 # Registers per thread asked for the matrix warpgroups (accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
@@ -70,6 +71,19 @@ def _part(grad, row: gl.constexpr, col: gl.constexpr, PART_N: gl.constexpr, PART
     else:
         part = grad.slice(col, PART_K, dim=1)
     return part
+
+
+@gluon.constexpr_function
+def _one_barrier(parts, num_warps):
+    """Whether the epilogue publishes each part's verdict with the barrier that hands its
+    staging slot back (``_epilogue_part``'s ONE_BARRIER): with sixteen epilogue warps, whose
+    barriers cost most, and an even part count (a part's counts buffer is then its
+    parity's). Measured on an H100, kernel alone (results/tuning/h100-one-barrier-fc21096.log):
+    1.01-1.03x faster with sixteen warps (bf16-SR's tile at 256 and 512 tokens, four shapes),
+    0.98x with eight on bf16-rn's 128 x 128 tile at 256 and 512 tokens (0.99-1.01x for the
+    other eight-warp tiles), where the later hand-back of the staging slot costs more than
+    the barrier saved."""
+    return parts % 2 == 0 and num_warps == 16
 
 
 # The programs take tiles down bands of this many tile rows before across (a band's first
@@ -177,9 +191,9 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
 
 @gluon.jit
 def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
-              w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
-              grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr, sums_ptr,
-              RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+              w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, counts_even, counts_odd, N, K, row0, col0,
+              global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
+              sums_ptr, RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
               ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr,
               SQUARE_SUMS: gl.constexpr):
@@ -214,6 +228,9 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
         squares = 0.0
         for j in gl.static_range(SPLIT):
             slot = part % SLOTS
+            counts = counts_even
+            if j % 2 == 1:  # SPLIT is even where it matters: a part's parity is j's
+                counts = counts_odd
             g = _part(grad, _part_row(j, BLOCK_K, PART_N, PART_K), _part_col(j, BLOCK_K, PART_K), PART_N, PART_K)
             g = g.load(epi)
             if SQUARE_SUMS:
@@ -224,7 +241,7 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
                            inputs_ok, tile_id * SPLIT + j, off_n + _part_row(j, BLOCK_K, PART_N, PART_K),
                            off_k + _part_col(j, BLOCK_K, PART_K), N, K, row0, col0, global_k, grad_scale,
                            h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16,
-                           STOCHASTIC, ALIGNED)
+                           STOCHASTIC, ALIGNED, counts, _one_barrier(SPLIT, gl.num_warps()))
             part += 1
         if SQUARE_SUMS:
             gl.store(sums_ptr + tile_id, squares)
@@ -254,12 +271,16 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
     grad_free = _barriers(GRAD_SLOTS)
     w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free = _staging_slots(w_desc, s0_desc, s1_desc, s2_desc, HAS_S0,
                                                                            HAS_S1, HAS_S2, EPILOGUE_STAGES)
+    # The epilogue's row counts of its even and of its odd parts (_epilogue_part's ONE_BARRIER; with
+    # an even part count a part's parity is its index's, so each part's buffer is chosen when compiling).
+    counts_even = gl.allocate_shared_memory(gl.int32, [w_desc.block_type.shape[0]], _counts_buffers_layout())
+    counts_odd = gl.allocate_shared_memory(gl.int32, [w_desc.block_type.shape[0]], _counts_buffers_layout())
     gl.warp_specialize([
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
-                     w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, N, K, row0, col0, global_k,
-                     grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
-                     sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
-                     DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS)),
+                     w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, counts_even, counts_odd, N, K, row0,
+                     col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
+                     grad_scale_ptr, sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC,
+                     ALIGNED, DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS)),
         (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
