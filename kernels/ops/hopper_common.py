@@ -185,7 +185,7 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
     counts sees the next part's written) and the barrier that hands the staging slot back also
     publishes them, where a cross-warp ``gl.sum`` waits at barriers of its own after the
     slot's barrier: the same count (an integer sum), one barrier a part instead of
-    several, the slot handed back after the rule's arithmetic instead of before it."""
+    two, the slot handed back after the rule's arithmetic instead of before it."""
     BLOCK_N: gl.constexpr = w_smem.shape[0]
     SUB: gl.constexpr = w_smem.shape[1]
     WARPS: gl.constexpr = gl.num_warps()  # a ping-pong consumer's 4, the split kernel's epilogue's 8 or 16

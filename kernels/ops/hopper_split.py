@@ -79,10 +79,10 @@ def _one_barrier(parts, num_warps):
     staging slot back (``_epilogue_part``'s ONE_BARRIER): with sixteen epilogue warps, whose
     barriers cost most, and an even part count (a part's counts buffer is then its
     parity's). Measured on an H100, kernel alone (results/tuning/h100-one-barrier-fc21096.log):
-    1.01-1.03x faster with sixteen warps (bf16-SR's tile at 256 and 512 tokens, four shapes),
-    0.98x with eight on bf16-rn's 128 x 128 tile at 256 and 512 tokens (0.99-1.01x for the
-    other eight-warp tiles), where the later hand-back of the staging slot costs more than
-    the barrier saved."""
+    1.011-1.024x faster with sixteen warps (bf16-SR's tile at 256 and 512 tokens, four
+    shapes; an unchanged control read 1.013), 0.98x with eight on bf16-rn's 128 x 128 tile
+    at 256 and 512 tokens (0.99-1.01x on the other tiles), where the later hand-back of the
+    staging slot costs more than the barrier saved."""
     return parts % 2 == 0 and num_warps == 16
 
 
