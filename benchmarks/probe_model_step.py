@@ -72,15 +72,15 @@ def busy_and_gaps(intervals):
 
 
 def breakdown(step, steps, back_to_back=1):
-    """Per step of ``steps`` profiled runs of ``back_to_back`` calls: the median wall time
-    (``bench_model.measure``: events around each run, synchronized after it), the mean GPU
-    time per kind and kernel,
-    the GPU's busy time (the union of its activities' intervals) and the idle gaps inside
-    the profiled runs: each gap is measured from the latest end so far, and the
-    ``steps - 1`` gaps between runs, where the host waits for the synchronization and
-    runs the next call, are dropped, taken to be the largest (they were 0.1-0.9 ms on the
-    H200, the gaps inside a step at most 0.13 ms; the wall time holds only the part of
-    them after the next step's start event)."""
+    """Per call of ``steps`` profiled runs of ``back_to_back`` calls: the median wall time
+    (``bench_model.measure``: events around each run, synchronized after it), the GPU's
+    busy time (the union of its activities' intervals) and its idle time, the mean GPU
+    time per kind and kernel, and the idle gaps inside the profiled runs: each gap is
+    measured from the latest end so far, and the ``steps - 1`` gaps between runs, where
+    the host waits for the synchronization and runs the next call, are dropped, taken to
+    be the largest (they were 0.1-0.9 ms on the H200, the gaps inside a step at most
+    0.13 ms; the wall time holds only the part of them after the next step's start event)."""
+    calls = steps * back_to_back
     for _ in range(4):
         step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -89,11 +89,12 @@ def breakdown(step, steps, back_to_back=1):
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     for event in events:
-        us = event.time_range.elapsed_us() / (steps * back_to_back)
+        us = event.time_range.elapsed_us() / calls
         per_kind[kind(event.name)] += us
         per_name[event.name] += us
     busy, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end, e.name) for e in events])
-    return wall, busy / (steps * back_to_back), per_kind, per_name, sorted(gaps, reverse=True)[steps - 1:]
+    gaps = sorted(gaps, reverse=True)[steps - 1:]
+    return wall, busy / calls, sum(g for g, _, _ in gaps) / calls, per_kind, per_name, gaps
 
 
 def main(argv=None):
@@ -119,10 +120,11 @@ def main(argv=None):
             for method in args.methods.split(","):
                 model, step = bm.variant(name, method, args.layers, tokens, configs,
                                          max_norm=args.max_norm, norm=args.norm)
-                wall_ms, busy_us, per_kind, per_name, gaps = breakdown(step, args.steps, args.back_to_back)
-                idle = sum(g for g, _, _ in gaps) / (args.steps * args.back_to_back) / 1e3
-                print(f"T={tokens:5d} {name:11s} {method:15s} wall {wall_ms:6.2f} ms, GPU busy {busy_us / 1e3:6.2f} ms, "
-                      f"idle inside the steps {idle:5.3f} ms; largest gaps (us, all steps): "
+                wall_ms, busy_us, idle_us, per_kind, per_name, gaps = breakdown(step, args.steps,
+                                                                                args.back_to_back)
+                print(f"T={tokens:5d} {name:11s} {method:21s} wall {wall_ms:6.2f} ms, "
+                      f"GPU busy {busy_us / 1e3:6.2f} ms, "
+                      f"idle inside the steps {idle_us / 1e3:5.3f} ms; largest gaps (us, all steps): "
                       f"{', '.join(f'{g:.0f}' for g, _, _ in gaps[:6])}")
                 for g, before, after in gaps[:3]:
                     print(f"      gap {g:7.1f} us after {before[:50]} before {after[:50]}")

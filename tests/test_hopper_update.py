@@ -82,7 +82,7 @@ def _fits(config, rule_name, regime):
     three fp32 slots exceed it beside a 64x64 tile's ring, or beside a wider tile's
     accumulator and two staging slots. Split: the ring, the gradient slots (two, or one of
     a 128 x 128 tile) and ``staging_slots`` slots of a part's weight and state, with 2 KB
-    to spare for barriers and reductions."""
+    to spare for barriers, reductions and (sixteen epilogue warps) two parts' row counts."""
     w_dtype, state_format, _ = REGIMES[regime]
     if config.num_warps == 4:
         return not (rule_name == "rmsprop-centered" and state_format == "fp32" and config.block_k >= 64)

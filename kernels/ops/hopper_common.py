@@ -183,7 +183,7 @@ def _epilogue_part(g, w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, w_sme
     element is stored before it. With ``ONE_BARRIER`` the warps write their rows' counts to
     ``counts_smem`` (the caller alternates two, so that no warp still reading one part's
     counts sees the next part's written) and the barrier that hands the staging slot back also
-    publishes them, where a cross-warp ``gl.sum`` waits at barriers of its own after the
+    publishes them, where a cross-warp ``gl.sum`` waits at a barrier of its own after the
     slot's barrier: the same count (an integer sum), one barrier a part instead of
     two, the slot handed back after the rule's arithmetic instead of before it."""
     BLOCK_N: gl.constexpr = w_smem.shape[0]

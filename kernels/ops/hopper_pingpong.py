@@ -126,7 +126,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
                            epi_ready.index(0), epi_free.index(0), visit & 1, epi_free.index(0), False, inputs_ok,
                            tile, off_n, off_k, N, K, row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7,
                            seed, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED,
-                           w_smem, False)
+                           w_smem, False)  # no ONE_BARRIER here: its counts buffer (the slot) is never touched
         else:
             acc_smem.store(acc)
             _partition_barrier()  # the whole accumulator is in shared memory before any part is read
