@@ -50,6 +50,7 @@ WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]
 ONE_SLOT, THREE_SLOTS = CONFIGS[11], CONFIGS[12]
 SIXTEEN_WARPS = CONFIGS[13]
+SIXTEEN_WARPS_COLUMNS, SIXTEEN_WARPS_ROWS = CONFIGS[14], CONFIGS[15]  # four parts each
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -393,8 +394,8 @@ def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(co
     (SPLIT, (64, 128), [(64, 128, 32, 64)]), (WIDE, (64, 128), [(0, 128, 32, 64)]),
     (ROWS, (64, 128), [(row, row + 16, 0, 96) for row in range(64, 128, 16)]), (ROWS, (80, 96), [(80, 96, 0, 96)]),
     # Sixteen epilogue warps publish each part's count with the barrier that frees its slot.
-    (CONFIGS[14], (64, 128), [(0, 128, 32, 48), (0, 128, 48, 64)]),
-    (CONFIGS[15], (64, 128), [(64, 96, 0, 64), (96, 128, 0, 64)])],
+    (SIXTEEN_WARPS_COLUMNS, (64, 128), [(0, 128, 32, 48), (0, 128, 48, 64)]),
+    (SIXTEEN_WARPS_ROWS, (64, 128), [(64, 96, 0, 64), (96, 128, 0, 64)])],
     ids=lambda c: _name(c) if isinstance(c, fk.TileConfig) else f"rows{c[0]}-{c[1]}" if isinstance(c, tuple) else "")
 def test_hopper_kernel_skips_and_names_the_same_overflowing_tiles(config, hot, skipped):
     """A gradient that overflows in the ``hot`` rows and columns 32-63 only. Rows 64-127

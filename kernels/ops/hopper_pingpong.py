@@ -142,7 +142,7 @@ def _consumer(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, dy_bufs, x_bu
                                s2_smem.index(slot), epi_ready.index(slot), epi_free.index(slot), uses & 1,
                                epi_free.index(slot), False, inputs_ok, tile * SPLIT + j, off_n, off_k + j * SUB, N, K,
                                row0, col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, RULE, VARIANT,
-                               HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, w_smem, False)
+                               HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, w_smem, False)  # as above
             if SQUARE_SUMS:
                 gl.store(sums_ptr + tile, squares)
         visit += 1
