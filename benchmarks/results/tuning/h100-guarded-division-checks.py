@@ -49,13 +49,20 @@ def div_fast_or_nan(m, d):
     return tl.where(ok, tl.where(m == 0.0, m, q), float("nan"))
 
 
+if MODE == "packed":
+    from forge_kernels.rules.adamw import _div_rn_packed as _divide
+else:
+    _divide = div_fast_or_nan
+
+
 @triton.jit
-def _guard_kernel(m_ptr, d_ptr, o_ptr, n, BLOCK: tl.constexpr):
+def _kernel(m_ptr, d_ptr, o_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     m = tl.load(m_ptr + offs, mask=mask, other=1.0)
     d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-    tl.store(o_ptr + offs, div_fast_or_nan(m, d), mask=mask)
+    tl.store(o_ptr + offs, _divide(m, d), mask=mask)
+    tl.store(o_ptr + n + offs, tl.div_rn(m, d), mask=mask)
 
 
 def run(m, d):
@@ -64,25 +71,9 @@ def run(m, d):
         mt = torch.from_numpy(m).to(DEVICE)
         dt = torch.from_numpy(d).to(DEVICE)
         o = torch.empty(2 * m.size, dtype=torch.float32, device=DEVICE)
-        if MODE == "guard":
-            _guard_kernel[(triton.cdiv(m.size, 4096),)](mt, dt, o, m.size, BLOCK=4096)
-            return o[:m.size].cpu().numpy(), m / d
-        _packed_kernel[(triton.cdiv(m.size, 4096),)](mt, dt, o, m.size, BLOCK=4096)
+        _kernel[(triton.cdiv(m.size, 4096),)](mt, dt, o, m.size, BLOCK=4096)
         o = o.cpu().numpy()
-        return o[:m.size], o[m.size:]
-
-
-if MODE == "packed":
-    from forge_kernels.rules.adamw import _div_rn_packed
-
-    @triton.jit
-    def _packed_kernel(m_ptr, d_ptr, o_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        m = tl.load(m_ptr + offs, mask=mask, other=1.0)
-        d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-        tl.store(o_ptr + offs, _div_rn_packed(m, d), mask=mask)
-        tl.store(o_ptr + n + offs, tl.div_rn(m, d), mask=mask)
+        return o[:m.size], (m / d if MODE == "guard" else o[m.size:])
 
 
 rng = np.random.default_rng(0)
@@ -91,7 +82,6 @@ N = 400_000
 
 def bits(lo, hi, n):
     return rng.integers(lo, hi, n, dtype=np.uint32).view(np.float32)
-
 
 
 # divisors over [2^-126, 2^126], dividends over every float32 incl. subnormals, both signs
