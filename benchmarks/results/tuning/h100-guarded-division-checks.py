@@ -5,6 +5,10 @@ the interpreter (numpy's correctly rounded 1/d as the seed).
     python3 h100-guarded-division-checks.py guard    # div_fast_or_nan: where not NaN, numpy's m / d
     python3 h100-guarded-division-checks.py packed   # with h100-guarded-division-packed-ptx.patch
                                                      # applied: _div_rn_packed against tl.div_rn
+
+The pairs are built as in the check script at the end of h100-exact-branch-free-897c0e7.log
+(the same seed and draws, 587,214 pairs), copied so that this file runs on its own; the
+AdamW-like and arbitrary-pattern draws after them are new.
 """
 import os
 import sys
