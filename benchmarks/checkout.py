@@ -27,10 +27,12 @@ def forge_kernels():
 def parse_config(text: str) -> tuple:
     """A tile config's fields from ``64,128,64,8,3,128,2``, ``64,32,128,4,2,None,1,hopper`` or
     ``128,128,64,8,3,None,8,hopper,rows`` or ``128,256,64,16,3,None,4,portable,columns,None,tma``
-    (parentheses, quotes and spaces, as the sweeps print configs, are allowed)."""
+    or ``128,128,64,8,4,None,8,hopper,rows,1,pointers,True`` (parentheses, quotes and spaces,
+    as the sweeps print configs, are allowed)."""
     values = [v.strip().strip("'\"") for v in text.strip().strip("()").split(",")]
     words = ("hopper", "portable", "rows", "columns", "pointers", "tma")
-    return tuple(None if v == "None" else v if v in words else int(v) for v in values)
+    flags = {"True": True, "False": False}
+    return tuple(None if v == "None" else v if v in words else flags[v] if v in flags else int(v) for v in values)
 
 
 def config_tuple(config) -> tuple:

@@ -60,7 +60,19 @@ class TileConfig:
     bits), so they take operands and GPUs the TMA loads refuse. Measured on an H200 with
     128 x 256 tiles of 16 warps at 16,384 tokens: 1.01-1.12x faster than the same tiles
     with pointer loads (benchmarks/results/tuning/h200-tma-operand-loads.log, call 5). The
-    Hopper kernel always reads its operands by TMA."""
+    Hopper kernel always reads its operands by TMA.
+
+    ``wgmma_in_flight`` makes the split kernel's matrix warpgroups leave each token block's
+    wgmma running while they wait for the next block and issue it, and release a ring
+    stage one block later (so the ring wants a stage more); without it they wait for each
+    block's wgmma before the next. The same wgmma in the same order on the same
+    accumulator: it moves no bit. Measured on an H100 with a four-stage ring, kernel alone
+    against the three-stage tile without it (benchmarks/results/tuning/
+    h100-wgmma-in-flight-four-stages-3db4b79.log): with fp32 state 1.04-1.10x faster at
+    2,048 tokens and 1.08-1.17x at 4,096-12,288, with bf16 state rounded to nearest
+    1.03-1.15x at 4,096; slower at 1,024 (and with bf16 state at 2,048); with three
+    stages slower everywhere (the stage held a block longer leaves the TMA warp one
+    stage to fill ahead). Only the split kernel takes it."""
 
     block_n: int = 64
     block_k: int = 64
@@ -73,6 +85,7 @@ class TileConfig:
     epilogue_axis: str = "columns"
     epilogue_stages: Optional[int] = None
     operand_loads: str = "pointers"
+    wgmma_in_flight: bool = False
 
     def __post_init__(self):
         # A float or bool equal to an allowed value passes the membership checks below and
@@ -109,6 +122,12 @@ class TileConfig:
                              f"kernel's default, {DEFAULT_EPILOGUE_STAGES}) or one of {EPILOGUE_STAGES}")
         if self.operand_loads not in OPERAND_LOADS:
             raise ValueError(f"TileConfig.operand_loads={self.operand_loads!r}: must be one of {OPERAND_LOADS}")
+        if type(self.wgmma_in_flight) is not bool:
+            raise TypeError(f"TileConfig.wgmma_in_flight={self.wgmma_in_flight!r}: must be True or False")
+        if self.wgmma_in_flight and not (self.kernel == "hopper" and self.num_warps in (8, 16)):
+            raise ValueError("TileConfig.wgmma_in_flight=True: only the split Hopper kernel (kernel='hopper', "
+                             "num_warps=8 or 16) runs its token loop on wgmma with a block in flight; leave it "
+                             "False here")
         if self.kernel == "hopper":
             self._check_hopper()
         elif self.epilogue_stages is not None:

@@ -44,13 +44,21 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            # 16-column parts of a 128 x 64 tile, 32-row parts of one (bf16-sr's tuned 256 tile).
            fk.TileConfig(64, 64, 64, 16, 3, epilogue_split=2, kernel="hopper", epilogue_axis="rows"),
            fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper"),
-           fk.TileConfig(128, 64, 64, 16, 4, epilogue_split=4, kernel="hopper", epilogue_axis="rows")]
+           fk.TileConfig(128, 64, 64, 16, 4, epilogue_split=4, kernel="hopper", epilogue_axis="rows"),
+           # One wgmma in flight in the token loop (each ring stage released a block later): the
+           # 4,096-token tile (four stages, one staging slot), a two-stage ring (a stage refilled
+           # the moment it is released), sixteen epilogue warps.
+           fk.TileConfig(128, 128, 64, 8, 4, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
+                         epilogue_stages=1, wgmma_in_flight=True),
+           fk.TileConfig(64, 64, 64, 8, 2, kernel="hopper", wgmma_in_flight=True),
+           fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper", wgmma_in_flight=True)]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]
 ONE_SLOT, THREE_SLOTS = CONFIGS[11], CONFIGS[12]
 SIXTEEN_WARPS = CONFIGS[13]
 SIXTEEN_WARPS_COLUMNS, SIXTEEN_WARPS_ROWS = CONFIGS[14], CONFIGS[15]  # four parts each
+IN_FLIGHT, IN_FLIGHT_TWO_STAGES, IN_FLIGHT_SIXTEEN_WARPS = CONFIGS[16:19]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -177,11 +185,12 @@ def _assert_the_same_skips(config, x, dy, w):
 def _name(config):
     return (f"{config.block_n}x{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
             f"{'r' if config.epilogue_axis == 'rows' else ''}w{config.num_warps}"
-            f"{'' if config.epilogue_stages is None else f's{config.epilogue_stages}'}")
+            f"{'' if config.epilogue_stages is None else f's{config.epilogue_stages}'}"
+            f"{'-inflight' if config.wgmma_in_flight else ''}")
 
 
 def _portable(config):
-    return dataclasses.replace(config, kernel="portable", epilogue_stages=None)
+    return dataclasses.replace(config, kernel="portable", epilogue_stages=None, wgmma_in_flight=False)
 
 
 @hopper
@@ -219,7 +228,8 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS, ONE_SLOT, THREE_SLOTS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS, ONE_SLOT, THREE_SLOTS, IN_FLIGHT, IN_FLIGHT_TWO_STAGES],
+                         ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime, rule_name", [("fp32", "adamw"), ("bf16-sr", "adamw")])
 @pytest.mark.parametrize("col_start", [0, 3])
 def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col_start, launches):
@@ -234,7 +244,7 @@ def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT, ROWS, THREE_SLOTS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [SPLIT, ROWS, THREE_SLOTS, IN_FLIGHT], ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime", ["fp32", "bf16-sr"])
 def test_split_kernel_order_with_a_partial_band(config, regime, launches):
     """The split kernel's programs take tiles down bands of eight tile rows: 1,304 rows are
@@ -316,7 +326,7 @@ def test_hopper_kernel_reads_a_device_grad_scale(config, launches):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS, IN_FLIGHT], ids=lambda c: _name(c))
 def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config):
     rule = fk.AdamW(lr=1e-2)
     x, dy, w = _inputs(128, 128, 96, torch.bfloat16, seed=3)
@@ -339,7 +349,8 @@ def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config)
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE, ROWS, IN_FLIGHT, IN_FLIGHT_TWO_STAGES],
+                         ids=lambda c: _name(c))
 def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     x, dy, w = _inputs(0, 64, 64, torch.float32)
@@ -349,7 +360,7 @@ def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS, IN_FLIGHT], ids=lambda c: _name(c))
 def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
     rule = fk.AdamW()
     x, dy, w = _inputs(64, 64, 64, torch.float32)
@@ -363,7 +374,7 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS, IN_FLIGHT], ids=lambda c: _name(c))
 @pytest.mark.parametrize("where", ["x", "dy"])
 def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(config, where):
     """Non-finite values in x or dy reach only a few columns or rows of dW, yet no tile of
@@ -393,6 +404,7 @@ def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(co
     (CONFIGS[0], (64, 128), [(64, 128, 32, 64)]), (CONFIGS[2], (64, 128), [(64, 128, 32, 64)]),
     (SPLIT, (64, 128), [(64, 128, 32, 64)]), (WIDE, (64, 128), [(0, 128, 32, 64)]),
     (ROWS, (64, 128), [(row, row + 16, 0, 96) for row in range(64, 128, 16)]), (ROWS, (80, 96), [(80, 96, 0, 96)]),
+    (IN_FLIGHT, (80, 96), [(80, 96, 0, 96)]),
     # Sixteen epilogue warps publish each part's count with the barrier that frees its slot.
     (SIXTEEN_WARPS_COLUMNS, (64, 128), [(0, 128, 32, 48), (0, 128, 48, 64)]),
     (SIXTEEN_WARPS_ROWS, (64, 128), [(64, 96, 0, 64), (96, 128, 0, 64)])],
@@ -434,7 +446,9 @@ def test_num_warps_picks_the_structure():
     (dict(epilogue_stages=3), r"epilogue_stages=3 \(must be None with num_warps=4"),
     (dict(block_k=128, num_warps=16, epilogue_split=4), r"block_k=128 \(must be 32, 64 or 128 \(32 or 64 with "
                                                         r"num_warps=16\)"),
-    (dict(num_warps=16, epilogue_split=2, epilogue_axis="rows"), r"epilogue_split=2 .*2,048 with 16.*not 32 x 32")])
+    (dict(num_warps=16, epilogue_split=2, epilogue_axis="rows"), r"epilogue_split=2 .*2,048 with 16.*not 32 x 32"),
+    # The ping-pong consumers (num_warps=4) run their token loops without a wgmma in flight.
+    (dict(wgmma_in_flight=True), "wgmma_in_flight=True: only the split Hopper kernel")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
     with pytest.raises(ValueError, match=wrong):

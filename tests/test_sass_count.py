@@ -78,6 +78,20 @@ def test_epilogue_stages_reach_the_split_kernel():
     assert 16 < shared[1] - shared[0] - 16 * 128 * 4 * 3 <= 64, shared
 
 
+def test_wgmma_in_flight_reaches_the_split_kernel():
+    """``TileConfig.wgmma_in_flight`` compiles another token loop into the split kernel (the
+    last block's stage released after the loop, behind a barrier of its own), in the same
+    shared memory and with the same wgmma instructions; were the flag lost on the way to
+    the kernel, the two builds would be the same."""
+    lines = _sass_count("--regimes", "fp32", "--configs", "128,128,64,8,4,None,8,hopper,rows,1;"
+                        "128,128,64,8,4,None,8,hopper,rows,1,pointers,True")
+    assert len(lines) == 2, lines
+    drained, in_flight = lines
+    assert _field(in_flight, "shared") == _field(drained, "shared"), lines
+    assert _field(in_flight, "wgmma") == _field(drained, "wgmma"), lines
+    assert _field(in_flight, "barriers") > _field(drained, "barriers"), lines
+
+
 def test_streaming_epilogue_compiles_beside_the_fused_kernel():
     """``--streaming`` compiles ``probe_streaming_epilogue.py``'s kernel, the yardstick the
     fused epilogue is timed against: it must keep building as ``_tile_epilogue`` changes

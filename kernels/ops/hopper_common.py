@@ -23,20 +23,33 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 
 @gluon.jit
-def _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t):
+def _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t, IN_FLIGHT: gl.constexpr = False):
     """A tile's dW block over all its tokens: ``acc += dyᵀ x`` on wgmma, one ring stage at
     a time in token order (the portable kernel's ``tl.dot`` over the same blocks), each
     stage released once its wgmma is done. ``counter`` counts the stages taken so far
-    (the ring's position and barrier phase); returns the accumulator and the new count."""
+    (the ring's position and barrier phase); returns the accumulator and the new count.
+    With ``IN_FLIGHT`` a block's wgmma is left running while the next block is waited for
+    and issued, and its stage released after that: the same wgmma on the same accumulator
+    in the same order (no bit moves), the tensor cores not drained between blocks."""
     STAGES: gl.constexpr = dy_bufs.shape[0]
     for i in range(num_t):
         stage = counter % STAGES
         mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
         dy_t = dy_bufs.index(stage).permute((1, 0))
         acc = warpgroup_mma(dy_t, x_bufs.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(free.index(stage))
+        if IN_FLIGHT:
+            # Every wgmma but this block's has retired: the previous block's stage is free.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if i > 0:
+                mbarrier.arrive(free.index((counter + STAGES - 1) % STAGES))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(stage))
         counter += 1
+    if IN_FLIGHT:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if num_t > 0:
+            mbarrier.arrive(free.index((counter + STAGES - 1) % STAGES))
     return acc, counter
 
 

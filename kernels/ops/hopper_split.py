@@ -156,15 +156,18 @@ def _stage_loader(w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s
 
 
 @gluon.jit
-def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K):
+def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K, IN_FLIGHT: gl.constexpr):
     """The matrix warpgroups: each tile's token loop on wgmma (the portable kernel's
     ``tl.dot`` over the same blocks in the same order), then its fp32 gradient tile into a
     gradient slot in shared memory for the epilogue warps, and on to the next tile while
     they work on this one. A ring stage is released once both warpgroups of a 128-row
     tile are done with it: Triton puts a barrier over the partition's warps before the
-    arrival, which one thread makes. (Keeping one wgmma in flight while the next block is
-    waited for measured no faster: results/tuning/h200-matrix-epilogue-split.log; on the
-    128 x 128 tile at 4,096 tokens slower, 0.93x on 4096 x 4096: h100-wgmma-in-flight-f74a1ed.log.)"""
+    arrival, which one thread makes. With ``IN_FLIGHT`` (``TileConfig.wgmma_in_flight``)
+    each block's wgmma is left running while the next is waited for and issued: with a
+    three-stage ring slower (0.93x on 4096 x 4096 at 4,096 tokens,
+    results/tuning/h100-wgmma-in-flight-f74a1ed.log), with four faster at 4,096 tokens
+    (h100-wgmma-in-flight-four-stages-3db4b79.log). Running the two warpgroups as two
+    partitions, each releasing stages by itself, measured 0.97-1.06x (same log): not taken."""
     BLOCK_T: gl.constexpr = x_bufs.shape[1]
     BLOCK_N: gl.constexpr = dy_bufs.shape[2]
     BLOCK_K: gl.constexpr = x_bufs.shape[2]
@@ -179,7 +182,7 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
     visit = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.float32, layout=mma)
-        acc, counter = _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t)
+        acc, counter = _token_loop(dy_bufs, x_bufs, ready, free, acc, counter, num_t, IN_FLIGHT)
         slot = visit % GSLOTS
         # A fresh barrier counts as released once: waiting on the other parity passes.
         mbarrier.wait(grad_free.index(slot), ((visit // GSLOTS) & 1) ^ 1)
@@ -256,7 +259,7 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
                  DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-                 SQUARE_SUMS: gl.constexpr):
+                 SQUARE_SUMS: gl.constexpr, IN_FLIGHT: gl.constexpr):
     """Persistent, one program per multiprocessor: the matrix warpgroups compute this
     program's gradient tiles one after another into the gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
@@ -281,7 +284,7 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
                      col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
                      grad_scale_ptr, sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC,
                      ALIGNED, DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS)),
-        (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K)),
+        (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K, IN_FLIGHT)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,
                          N, K, BLOCK_N, BLOCK_K, HAS_S0, HAS_S1, HAS_S2)),

@@ -48,8 +48,10 @@ def kernel_for(config):
 
 def structure_constants(config) -> dict:
     """The compile-time arguments of ``kernel_for(config)`` that only its structure takes:
-    the split kernel's staging slots."""
-    return dict(EPILOGUE_STAGES=config.staging_slots) if kernel_for(config) is split_kernel else {}
+    the split kernel's staging slots and whether its token loop keeps a wgmma in flight."""
+    if kernel_for(config) is split_kernel:
+        return dict(EPILOGUE_STAGES=config.staging_slots, IN_FLIGHT=config.wgmma_in_flight)
+    return {}
 
 
 @functools.lru_cache(maxsize=None)
