@@ -67,12 +67,13 @@ class TileConfig:
     stage one block later (so the ring wants a stage more); without it they wait for each
     block's wgmma before the next. The same wgmma in the same order on the same
     accumulator: it moves no bit. Measured on an H100 with a four-stage ring, kernel alone
-    against the three-stage tile without it (benchmarks/results/tuning/
-    h100-wgmma-in-flight-four-stages-3db4b79.log): with fp32 state 1.04-1.10x faster at
-    2,048 tokens and 1.08-1.17x at 4,096-12,288, with bf16 state rounded to nearest
-    1.03-1.15x at 4,096; slower at 1,024 (and with bf16 state at 2,048); with three
-    stages slower everywhere (the stage held a block longer leaves the TMA warp one
-    stage to fill ahead). Only the split kernel takes it."""
+    against the three-stage tile without it (the log:
+    benchmarks/results/tuning/h100-wgmma-in-flight-four-stages-3db4b79.log): with fp32
+    state 1.04-1.10x faster at 2,048 tokens and 1.08-1.17x at 4,096-12,288, with bf16
+    state rounded to nearest 1.02-1.15x at 4,096; mostly slower at 1,024 (and with bf16
+    state at 2,048); with three stages slower at 4,096 (0.93-0.97x: the stage held a
+    block longer leaves the TMA warp one stage to fill ahead). Only the split kernel
+    takes it."""
 
     block_n: int = 64
     block_k: int = 64

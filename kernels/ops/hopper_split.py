@@ -167,7 +167,8 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
     three-stage ring slower (0.93x on 4096 x 4096 at 4,096 tokens,
     results/tuning/h100-wgmma-in-flight-f74a1ed.log), with four faster at 4,096 tokens
     (h100-wgmma-in-flight-four-stages-3db4b79.log). Running the two warpgroups as two
-    partitions, each releasing stages by itself, measured 0.97-1.06x (same log): not taken."""
+    partitions, each releasing stages by itself, measured 0.96-1.06x (the probe's old/new,
+    same log): not taken."""
     BLOCK_T: gl.constexpr = x_bufs.shape[1]
     BLOCK_N: gl.constexpr = dy_bufs.shape[2]
     BLOCK_K: gl.constexpr = x_bufs.shape[2]
