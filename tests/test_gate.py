@@ -166,6 +166,26 @@ def test_a_changed_case_definition_fails(sgd_case, tmp_path, monkeypatch, capsys
     assert "-> TileConfig(block_n=64, block_k=64, block_t=16" in out and "case changed" in out
 
 
+def test_a_tile_config_field_added_since_the_baseline_changes_no_case_at_its_default(sgd_case, tmp_path):
+    """A baseline recorded before ``TileConfig`` had a field (its config written without
+    it) is the same case for a config that leaves the field at its default, and another
+    case for one that sets it; a config that is not a TileConfig repr compares as text."""
+    path = tmp_path / "gate.json"
+    gate.run_gate(path, update=True)
+    baseline = json.loads(path.read_text())
+    cases = baseline["backends"][gate.current_backend()]["cases"]
+    entry = cases[next(iter(cases))]
+    current = entry["case"]["config"]
+    assert ", wgmma_in_flight=False)" in current
+    entry["case"]["config"] = current.replace(", wgmma_in_flight=False)", ")")  # as recorded before the field
+    path.write_text(json.dumps(baseline))
+    assert gate.run_gate(path) == 0
+    recorded = {"case": {"config": current.replace(", wgmma_in_flight=False)", ")")}}
+    for changed in (current.replace("wgmma_in_flight=False", "wgmma_in_flight=True"),
+                    current.replace("block_t=16", "block_t=32"), "TileConfig(colour='red')", "a config"):
+        assert gate._case_change(recorded, {"case": {"config": changed}}), changed
+
+
 def test_changed_inputs_are_reported_as_such_not_as_a_kernel_change(sgd_case, tmp_path, monkeypatch, capsys):
     """Bits recorded from other inputs (make_inputs drew differently, or the baseline
     predates the inputs' fingerprint) say nothing about the kernel: the gate says which."""

@@ -26,6 +26,8 @@ case definitions or inputs).
 refusing when a proven bound is exceeded, and prints the diff for review.
 """
 
+import ast
+import dataclasses
 import json
 import math
 import sys
@@ -99,11 +101,39 @@ def bound_failures(case, statistics) -> list:
                        for name, bound in PROVEN_BOUNDS.items() if name in statistics and statistics[name] > bound]
 
 
+def _config_fields(text):
+    """A recorded ``TileConfig(...)`` as {field: value}, every field it does not name at its
+    default: a field added to ``TileConfig`` after a baseline was recorded runs the kernels
+    as before at its default (that is what a new field's default must mean), so a config
+    that leaves it there is the recorded one. None for anything else (compared as text)."""
+    try:
+        call = ast.parse(text, mode="eval").body
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "TileConfig" and not call.args):
+            return None
+        named = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    except (SyntaxError, ValueError, TypeError, AttributeError):
+        return None
+    fields = {field.name: field.default for field in dataclasses.fields(fk.TileConfig)}
+    if not set(named) <= set(fields):
+        return None
+    return {name: named.get(name, default) for name, default in fields.items()}
+
+
+def _same_definition_value(field: str, old, new) -> bool:
+    if old == new:
+        return True
+    if field == "config" and isinstance(old, str) and isinstance(new, str):
+        old_fields, new_fields = _config_fields(old), _config_fields(new)
+        return old_fields is not None and old_fields == new_fields
+    return False
+
+
 def _case_change(recorded: dict, measured: dict) -> str:
     """What differs between the recorded and the measured case definition ('' if nothing)."""
     old, new = recorded["case"], measured["case"]
     return "; ".join(f"{field}: {old.get(field)} -> {new.get(field)}"
-                     for field in sorted(set(old) | set(new)) if old.get(field) != new.get(field))
+                     for field in sorted(set(old) | set(new))
+                     if not _same_definition_value(field, old.get(field), new.get(field)))
 
 
 def _inputs_change(recorded: dict, measured: dict) -> str:
