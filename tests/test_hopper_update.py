@@ -58,7 +58,7 @@ ROWS = CONFIGS[9]
 ONE_SLOT, THREE_SLOTS = CONFIGS[11], CONFIGS[12]
 SIXTEEN_WARPS = CONFIGS[13]
 SIXTEEN_WARPS_COLUMNS, SIXTEEN_WARPS_ROWS = CONFIGS[14], CONFIGS[15]  # four parts each
-IN_FLIGHT, IN_FLIGHT_TWO_STAGES, IN_FLIGHT_SIXTEEN_WARPS = CONFIGS[16:19]
+IN_FLIGHT, IN_FLIGHT_TWO_STAGES = CONFIGS[16:18]  # the third, sixteen warps, runs in the bits matrix only
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),

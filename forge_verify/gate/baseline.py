@@ -105,7 +105,8 @@ def _config_fields(text):
     """A recorded ``TileConfig(...)`` as {field: value}, every field it does not name at its
     default: a field added to ``TileConfig`` after a baseline was recorded runs the kernels
     as before at its default (that is what a new field's default must mean), so a config
-    that leaves it there is the recorded one. None for anything else (compared as text)."""
+    that leaves it there is the recorded one. None for anything else, a missing value
+    included (compared as text)."""
     try:
         call = ast.parse(text, mode="eval").body
         if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "TileConfig" and not call.args):
@@ -120,12 +121,10 @@ def _config_fields(text):
 
 
 def _same_definition_value(field: str, old, new) -> bool:
-    if old == new:
-        return True
-    if field == "config" and isinstance(old, str) and isinstance(new, str):
-        old_fields, new_fields = _config_fields(old), _config_fields(new)
-        return old_fields is not None and old_fields == new_fields
-    return False
+    if field == "config" and old != new:
+        recorded = _config_fields(old)
+        return recorded is not None and recorded == _config_fields(new)
+    return old == new
 
 
 def _case_change(recorded: dict, measured: dict) -> str:
