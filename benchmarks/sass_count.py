@@ -168,7 +168,9 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sum
                      status_ptr="*i32", T="i32", N="i32", K="i32", row0="i32", col0="i32", global_k="i32",
                      grad_scale="fp32", **{f"h{i}": "fp32" for i in range(8)}, seed="i64", scalars_ptr="*fp32",
                      seed_ptr="*i64",  # a StepScalars' float32 values and int64 key
-                     grad_scale_ptr=pointer, sums_ptr="*fp32")
+                     grad_scale_ptr=pointer, sums_ptr="*fp32",
+                     # the split kernel's in-kernel input check (TileConfig.in_kernel_check)
+                     x_ptr="*bf16", dy_ptr="*bf16", stride_xt="i32", stride_dt="i32", tickets_ptr="*i32")
     constants = dict(RULE=rule.update, VARIANT=rule.variant, HAS_S0=layout[0] is not None,
                      HAS_S1=layout[1] is not None, HAS_S2=layout[2] is not None, W_BF16=regime != "fp32",
                      S_BF16=regime != "fp32", STOCHASTIC=stochastic, ALIGNED=True, DEVICE_SCALARS=True,
@@ -176,12 +178,15 @@ def compile_hopper_sm90(regime: str, config: tuple, stochastic: bool, square_sum
                      **hopper_update.structure_constants(tile))
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
-    # As a launch specializes them: 16-byte aligned pointers, and T, N, K (256, 4096, 4096) multiples of 16.
-    aligned = [i for i, name in enumerate(names) if signature[name].startswith("*") or name in ("T", "N", "K")]
+    # As a launch specializes them: 16-byte aligned pointers, and T, N, K (256, 4096, 4096) and the
+    # row strides (4096) multiples of 16.
+    aligned = [i for i, name in enumerate(names) if signature[name].startswith("*")
+               or name in ("T", "N", "K", "stride_xt", "stride_dt")]
     source = GluonASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tile.num_warps, enable_fp_fusion=False)), None
+                          options=dict(num_warps=tile.num_warps, enable_fp_fusion=False,
+                                       launch_cooperative_grid=tile.in_kernel_check)), None
 
 
 def sass_listing(cubin: bytes) -> list:

@@ -73,7 +73,20 @@ class TileConfig:
     state rounded to nearest 1.02-1.15x at 4,096; mostly slower at 1,024 (and with bf16
     state at 2,048); with three stages slower at 4,096 (0.93-0.97x: the stage held a
     block longer leaves the TMA warp one stage to fill ahead). Only the split kernel
-    takes it."""
+    takes it.
+
+    ``in_kernel_check`` folds the non-finite input check into the split kernel: instead of
+    a kernel of its own launched before the update (a second read of x and dy), the
+    epilogue warps, idle while the matrix warpgroups run the first tiles' token loops,
+    count NaN and infinite elements in their program's share of x and dy, and no epilogue
+    stores anything before every program has counted (a grid barrier; the kernel is then
+    a cooperative launch, which the driver refuses rather than deadlocks when its programs
+    cannot all be resident). The rule and the counts are the separate check's (each
+    element counted once), and it moves no bit of a finite step. Only the split kernel
+    takes it; ``oracle=True`` still launches the separate check. Compiled for sm_90
+    offline (with it off the split kernel's SASS is unchanged:
+    benchmarks/results/tuning/sass-in-kernel-check-off-3.9.txt), not yet run on a GPU,
+    so no tuned entry sets it."""
 
     block_n: int = 64
     block_k: int = 64
@@ -87,6 +100,7 @@ class TileConfig:
     epilogue_stages: Optional[int] = None
     operand_loads: str = "pointers"
     wgmma_in_flight: bool = False
+    in_kernel_check: bool = False
 
     def __post_init__(self):
         # A float or bool equal to an allowed value passes the membership checks below and
@@ -129,6 +143,12 @@ class TileConfig:
             raise ValueError("TileConfig.wgmma_in_flight=True: only the split Hopper kernel (kernel='hopper', "
                              "num_warps=8 or 16) runs its token loop on wgmma with a block in flight; leave it "
                              "False here")
+        if type(self.in_kernel_check) is not bool:
+            raise TypeError(f"TileConfig.in_kernel_check={self.in_kernel_check!r}: must be True or False")
+        if self.in_kernel_check and not (self.kernel == "hopper" and self.num_warps in (8, 16)):
+            raise ValueError("TileConfig.in_kernel_check=True: only the split Hopper kernel (kernel='hopper', "
+                             "num_warps=8 or 16) checks its inputs itself; leave it False here (the separate "
+                             "check runs)")
         if self.kernel == "hopper":
             self._check_hopper()
         elif self.epilogue_stages is not None:

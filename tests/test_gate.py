@@ -176,12 +176,13 @@ def test_a_tile_config_field_added_since_the_baseline_changes_no_case_at_its_def
     cases = baseline["backends"][gate.current_backend()]["cases"]
     entry = cases[next(iter(cases))]
     current = entry["case"]["config"]
-    assert ", wgmma_in_flight=False)" in current
-    entry["case"]["config"] = current.replace(", wgmma_in_flight=False)", ")")  # as recorded before the field
+    newest = dataclasses.fields(fk.TileConfig)[-1].name  # a bool defaulting to False, as the last two added
+    assert current.endswith(f", {newest}=False)"), current
+    entry["case"]["config"] = current.replace(f", {newest}=False)", ")")  # as recorded before the field
     path.write_text(json.dumps(baseline))
     assert gate.run_gate(path) == 0
-    recorded = {"case": {"config": current.replace(", wgmma_in_flight=False)", ")")}}
-    for changed in (current.replace("wgmma_in_flight=False", "wgmma_in_flight=True"),
+    recorded = {"case": {"config": current.replace(f", {newest}=False)", ")")}}
+    for changed in (current.replace(f"{newest}=False", f"{newest}=True"),
                     current.replace("block_t=16", "block_t=32"), "TileConfig(colour='red')", "a config"):
         assert gate._case_change(recorded, {"case": {"config": changed}}), changed
 

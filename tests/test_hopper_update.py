@@ -51,7 +51,13 @@ CONFIGS = [fk.TileConfig(64, 32, 64, 4, 4, kernel="hopper"), fk.TileConfig(64, 6
            fk.TileConfig(128, 128, 64, 8, 4, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
                          epilogue_stages=1, wgmma_in_flight=True),
            fk.TileConfig(64, 64, 64, 8, 2, kernel="hopper", wgmma_in_flight=True),
-           fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper", wgmma_in_flight=True)]
+           fk.TileConfig(128, 64, 32, 16, 4, epilogue_split=4, kernel="hopper", wgmma_in_flight=True),
+           # The input check inside the kernel (a cooperative launch): the 16,384-token fp32 tile
+           # and sixteen epilogue warps.
+           fk.TileConfig(128, 128, 64, 8, 4, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
+                         epilogue_stages=1, wgmma_in_flight=True, in_kernel_check=True),
+           fk.TileConfig(64, 64, 64, 16, 3, epilogue_split=2, kernel="hopper", epilogue_axis="rows",
+                         in_kernel_check=True)]
 SPLIT = CONFIGS[5]
 WIDE = CONFIGS[6]
 ROWS = CONFIGS[9]
@@ -59,6 +65,7 @@ ONE_SLOT, THREE_SLOTS = CONFIGS[11], CONFIGS[12]
 SIXTEEN_WARPS = CONFIGS[13]
 SIXTEEN_WARPS_COLUMNS, SIXTEEN_WARPS_ROWS = CONFIGS[14], CONFIGS[15]  # four parts each
 IN_FLIGHT, IN_FLIGHT_TWO_STAGES = CONFIGS[16:18]  # the third, sixteen warps, runs in the bits matrix only
+IN_KERNEL_CHECK, IN_KERNEL_CHECK_SIXTEEN_WARPS = CONFIGS[19:21]
 SHORT_BLOCKS = fk.TileConfig(64, 32, 32, 4, 2, kernel="hopper")  # 32-token blocks, two buffers
 RULES = {
     "adamw": lambda: fk.AdamW(lr=1e-2, weight_decay=0.1),
@@ -186,11 +193,12 @@ def _name(config):
     return (f"{config.block_n}x{config.block_k}x{config.block_t}x{config.num_stages}/{config.epilogue_split}"
             f"{'r' if config.epilogue_axis == 'rows' else ''}w{config.num_warps}"
             f"{'' if config.epilogue_stages is None else f's{config.epilogue_stages}'}"
-            f"{'-inflight' if config.wgmma_in_flight else ''}")
+            f"{'-inflight' if config.wgmma_in_flight else ''}{'-check' if config.in_kernel_check else ''}")
 
 
 def _portable(config):
-    return dataclasses.replace(config, kernel="portable", epilogue_stages=None, wgmma_in_flight=False)
+    return dataclasses.replace(config, kernel="portable", epilogue_stages=None, wgmma_in_flight=False,
+                               in_kernel_check=False)
 
 
 @hopper
@@ -228,7 +236,8 @@ def test_hopper_kernel_with_many_tiles_per_program(config, regime, rule_name, co
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS, ONE_SLOT, THREE_SLOTS, IN_FLIGHT, IN_FLIGHT_TWO_STAGES],
+@pytest.mark.parametrize("config", [SPLIT, WIDE, ROWS, ONE_SLOT, THREE_SLOTS, IN_FLIGHT, IN_FLIGHT_TWO_STAGES,
+                                    IN_KERNEL_CHECK],
                          ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime, rule_name", [("fp32", "adamw"), ("bf16-sr", "adamw")])
 @pytest.mark.parametrize("col_start", [0, 3])
@@ -244,7 +253,7 @@ def test_split_kernel_with_several_tiles_per_slot(config, regime, rule_name, col
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT, ROWS, THREE_SLOTS, IN_FLIGHT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [SPLIT, ROWS, THREE_SLOTS, IN_FLIGHT, IN_KERNEL_CHECK], ids=lambda c: _name(c))
 @pytest.mark.parametrize("regime", ["fp32", "bf16-sr"])
 def test_split_kernel_order_with_a_partial_band(config, regime, launches):
     """The split kernel's programs take tiles down bands of eight tile rows: 1,304 rows are
@@ -326,10 +335,11 @@ def test_hopper_kernel_reads_a_device_grad_scale(config, launches):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS, IN_FLIGHT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS, IN_FLIGHT, IN_KERNEL_CHECK],
+                         ids=lambda c: _name(c))
 def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config):
     rule = fk.AdamW(lr=1e-2)
-    x, dy, w = _inputs(128, 128, 96, torch.bfloat16, seed=3)
+    x, dy, w = _inputs(128, 384, 224, torch.bfloat16, seed=3)  # several tiles, so several programs
     state = _state(rule, w, "bf16")
     eager = _steps(config, rule, x, dy, w, state, seed=4)
     w_c = w.clone()
@@ -349,8 +359,8 @@ def test_hopper_kernel_captured_with_step_scalars_equals_the_eager_steps(config)
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE, ROWS, IN_FLIGHT, IN_FLIGHT_TWO_STAGES],
-                         ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], SPLIT, WIDE, ROWS, IN_FLIGHT, IN_FLIGHT_TWO_STAGES,
+                                    IN_KERNEL_CHECK], ids=lambda c: _name(c))
 def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
     rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
     x, dy, w = _inputs(0, 64, 64, torch.float32)
@@ -360,7 +370,8 @@ def test_hopper_kernel_with_no_tokens_steps_on_a_zero_gradient(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS, IN_FLIGHT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, WIDE, ROWS, IN_FLIGHT, IN_KERNEL_CHECK,
+                                    IN_KERNEL_CHECK_SIXTEEN_WARPS], ids=lambda c: _name(c))
 def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
     rule = fk.AdamW()
     x, dy, w = _inputs(64, 64, 64, torch.float32)
@@ -374,7 +385,8 @@ def test_hopper_kernel_writes_nothing_on_a_non_finite_input(config):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS, IN_FLIGHT], ids=lambda c: _name(c))
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS, IN_FLIGHT, IN_KERNEL_CHECK,
+                                    IN_KERNEL_CHECK_SIXTEEN_WARPS], ids=lambda c: _name(c))
 @pytest.mark.parametrize("where", ["x", "dy"])
 def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(config, where):
     """Non-finite values in x or dy reach only a few columns or rows of dW, yet no tile of
@@ -400,11 +412,52 @@ def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(co
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [IN_KERNEL_CHECK, IN_KERNEL_CHECK_SIXTEEN_WARPS], ids=lambda c: _name(c))
+def test_in_kernel_check_meets_every_program_once_a_launch(config):
+    """Every program of the launch takes one ticket at the grid barrier: the counter reads
+    the grid after a launch, and twice it after a second launch on the same words (whose
+    programs wait for their own round, not the first's)."""
+    from forge_kernels.ops.fused_weight_update import _Epilogue
+    rule = fk.AdamW()
+    x, dy, w = _inputs(200, 1024, 768, torch.float32)
+    epilogue = _Epilogue(w, _state(rule, w, "fp32"), rule, 1, config, "stochastic", 0, 1.0, None)
+    multiprocessors = torch.cuda.get_device_properties(w.device).multi_processor_count
+    programs = min(epilogue.grid[0] * epilogue.grid[1], multiprocessors)
+    assert programs > 1
+    for launches in (1, 2):
+        epilogue.fused(x, dy, w)
+        assert int(epilogue.tickets) == launches * programs
+    assert epilogue.status.tolist() == [0, 0, 0]
+
+
+@hopper
+@pytest.mark.gpu
+def test_in_kernel_check_replaces_the_separate_check(monkeypatch):
+    """With ``in_kernel_check`` no check kernel is launched before the fused kernel (the
+    read of x and dy it saves), while the oracle still launches one."""
+    from forge_kernels.ops import fused_weight_update as module
+    calls = []
+    check = module.launch_finite_check
+
+    def counted(*args):
+        calls.append(args)
+        return check(*args)
+    monkeypatch.setattr(module, "launch_finite_check", counted)
+    rule = fk.AdamW()
+    x, dy, w = _inputs(64, 128, 128, torch.float32)
+    fk.fused_weight_update(x, dy, w, _state(rule, w, "fp32"), rule, 1, config=IN_KERNEL_CHECK)
+    assert calls == []
+    fk.fused_weight_update(x, dy, w, _state(rule, w, "fp32"), rule, 1, config=IN_KERNEL_CHECK, oracle=True)
+    assert len(calls) == 1
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config, hot, skipped", [
     (CONFIGS[0], (64, 128), [(64, 128, 32, 64)]), (CONFIGS[2], (64, 128), [(64, 128, 32, 64)]),
     (SPLIT, (64, 128), [(64, 128, 32, 64)]), (WIDE, (64, 128), [(0, 128, 32, 64)]),
     (ROWS, (64, 128), [(row, row + 16, 0, 96) for row in range(64, 128, 16)]), (ROWS, (80, 96), [(80, 96, 0, 96)]),
-    (IN_FLIGHT, (80, 96), [(80, 96, 0, 96)]),
+    (IN_FLIGHT, (80, 96), [(80, 96, 0, 96)]), (IN_KERNEL_CHECK, (80, 96), [(80, 96, 0, 96)]),
     # Sixteen epilogue warps publish each part's count with the barrier that frees its slot.
     (SIXTEEN_WARPS_COLUMNS, (64, 128), [(0, 128, 32, 48), (0, 128, 48, 64)]),
     (SIXTEEN_WARPS_ROWS, (64, 128), [(64, 96, 0, 64), (96, 128, 0, 64)])],
@@ -448,7 +501,9 @@ def test_num_warps_picks_the_structure():
                                                         r"num_warps=16\)"),
     (dict(num_warps=16, epilogue_split=2, epilogue_axis="rows"), r"epilogue_split=2 .*2,048 with 16.*not 32 x 32"),
     # The ping-pong consumers (num_warps=4) run their token loops without a wgmma in flight.
-    (dict(wgmma_in_flight=True), "wgmma_in_flight=True: only the split Hopper kernel")])
+    (dict(wgmma_in_flight=True), "wgmma_in_flight=True: only the split Hopper kernel"),
+    # Nor do they check their inputs: the separate check runs before them.
+    (dict(in_kernel_check=True), "in_kernel_check=True: only the split Hopper kernel")])
 def test_hopper_config_refuses_shapes_it_is_not_built_for(fields, wrong):
     base = dict(block_n=64, block_k=32, block_t=64, num_warps=4, num_stages=3, kernel="hopper")
     with pytest.raises(ValueError, match=wrong):

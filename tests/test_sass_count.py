@@ -92,6 +92,20 @@ def test_wgmma_in_flight_reaches_the_split_kernel():
     assert _field(in_flight, "barriers") > _field(drained, "barriers"), lines
 
 
+def test_in_kernel_check_reaches_the_split_kernel():
+    """``TileConfig.in_kernel_check`` compiles the input check (the epilogue warps' count of
+    x and dy, the tickets and the wait) into the split kernel, in the same shared memory
+    and with the same wgmma instructions; were the flag lost on the way to the kernel,
+    the two builds would be the same."""
+    lines = _sass_count("--regimes", "fp32", "--configs", "128,128,64,8,4,None,8,hopper,rows,1,pointers,True;"
+                        "128,128,64,8,4,None,8,hopper,rows,1,pointers,True,True")
+    assert len(lines) == 2, lines
+    separate, in_kernel = lines
+    assert _field(in_kernel, "shared") == _field(separate, "shared"), lines
+    assert _field(in_kernel, "wgmma") == _field(separate, "wgmma"), lines
+    assert _field(in_kernel, "instructions") > _field(separate, "instructions"), lines
+
+
 def test_streaming_epilogue_compiles_beside_the_fused_kernel():
     """``--streaming`` compiles ``probe_streaming_epilogue.py``'s kernel, the yardstick the
     fused epilogue is timed against: it must keep building as ``_tile_epilogue`` changes

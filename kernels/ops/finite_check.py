@@ -6,7 +6,9 @@ It replaces a host-side check (``aminmax`` then ``bool(...)``) whose device-to-h
 synchronization stalled the CPU on every step until the GPU queue drained. Launched on
 the same stream just before the update, it needs no synchronization: the update
 kernel starts after it has finished, sees the count, and writes nothing when it is
-nonzero. The host reads the counts later, once (``UpdateReport``).
+nonzero. The host reads the counts later, once (``UpdateReport``). The split Hopper
+kernel can count them itself instead (``TileConfig(in_kernel_check=True)``,
+``hopper_input_check``), into the same words.
 
 Status layout (int32, ``STATUS_WORDS`` of them, zeroed before the check):
 ``status[i]`` for i < ``MAX_INPUTS``: non-finite elements of input i;

@@ -428,8 +428,11 @@ class _Epilogue:
         self.blocks_per_row = triton.cdiv(K, q8.BLOCK)
         self.grid = (triton.cdiv(N, self.config.block_n), triton.cdiv(K, self.config.block_k))
         tiles = self.grid[0] * self.grid[1] * self.config.epilogue_split
-        words = torch.zeros(STATUS_WORDS + tiles, dtype=torch.int32, device=weight.device)
-        self.status, self.flags = words[:STATUS_WORDS], words[STATUS_WORDS:]
+        # The status words, the tiles' flags, and the ticket counter at which the programs of
+        # a kernel that checks its own inputs meet (``TileConfig.in_kernel_check``): not a
+        # status word, which a nonzero value would flag.
+        words = torch.zeros(STATUS_WORDS + tiles + 1, dtype=torch.int32, device=weight.device)
+        self.status, self.flags, self.tickets = words[:STATUS_WORDS], words[STATUS_WORDS:-1], words[-1:]
 
     def apply(self, grad, weight):
         """The oracle's second kernel: the epilogue on a materialized fp32 gradient."""
@@ -542,8 +545,10 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     non-finite, so nothing is stored and the report names every tile (a clip coefficient
     of an infinite norm is 0, a valid scale: make it NaN to store nothing).
 
-    Non-finite values: a kernel launched just before the update counts NaN/inf in x
-    and dy on the device; if there are any, the update writes nothing and the call
+    Non-finite values: a kernel launched just before the update (or, with
+    ``TileConfig(in_kernel_check=True)``, the split Hopper kernel itself before any of
+    its programs stores) counts NaN/inf in x and dy on the device; if there are any, the
+    update writes nothing and the call
     raises ``NonFiniteInputError``. A tile whose gradient or result is non-finite
     (overflow) is not written; the call then raises ``NonFiniteUpdateError`` listing
     the tiles. ``report="raise"`` (default) reads the outcome once (one device-to-host
@@ -573,7 +578,8 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
         epilogue.check_fused(x, dy, weight)
     with on_device(weight.device), quiet_non_finite():
         if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
-            launch_finite_check(epilogue.status, x, dy)
+            if oracle or not epilogue.config.in_kernel_check:
+                launch_finite_check(epilogue.status, x, dy)
             if oracle:
                 if square_sums is not None:  # the tile loop's sums, as weight_gradient_square_sums on any backend
                     launch_square_sums(*weight.shape, epilogue.config, x=x, dy=dy, out=square_sums)

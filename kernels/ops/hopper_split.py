@@ -29,6 +29,7 @@ from .fused_weight_update import _device_grad_scale, _device_scalars
 from .hopper_common import (_GRADIENT_LAYOUT, _barriers, _counts_buffers_layout, _epilogue_layout, _epilogue_part,
                             _fill_slot, _fill_stage, _partition_barrier, _ring, _square_sum, _staging_slots,
                             _token_loop)
+from .hopper_input_check import checked_inputs_ok
 
 # Registers per thread asked for the matrix warpgroups (accumulator and addresses); the
 # epilogue warps take what is left, the TMA warps 24 each.
@@ -197,15 +198,18 @@ def _matrix(dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N
 def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
               w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, counts_even, counts_odd, N, K, row0, col0,
               global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr,
-              sums_ptr, RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
+              sums_ptr, x_ptr, dy_ptr, T, stride_xt, stride_dt, tickets_ptr, RULE: gl.constexpr,
+              VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
               HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr, STOCHASTIC: gl.constexpr,
               ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr, DEVICE_GRAD_SCALE: gl.constexpr,
-              SQUARE_SUMS: gl.constexpr):
+              SQUARE_SUMS: gl.constexpr, IN_KERNEL_CHECK: gl.constexpr):
     """The epilogue warps (the default partition): each tile's gradient from its slot, part
     by part, with the part's weight and state from its staging slot, through the rule,
     the rounding and the verdict, while the matrix warpgroups compute the next tiles.
     With ``SQUARE_SUMS`` the tile's Σ g² (the parts' sums added in part order) is stored
-    at its row-major index."""
+    at its row-major index. With ``IN_KERNEL_CHECK`` they first count the non-finite
+    elements of this program's share of x and dy (``hopper_input_check``) while the
+    matrix warpgroups run the first token loops."""
     BLOCK_N: gl.constexpr = grad_smem.shape[1]
     BLOCK_K: gl.constexpr = grad_smem.shape[2]
     PART_N: gl.constexpr = w_smem.shape[1]
@@ -220,8 +224,12 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
         h0, h1, h2, h3, h4, h5, h6, h7, seed = _device_scalars(scalars_ptr, seed_ptr)
     if DEVICE_GRAD_SCALE:
         grad_scale = _device_grad_scale(grad_scale_ptr)
-    # The input check's verdict (launched before, on the same stream): no tile stores when it counted anything.
-    inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
+    if IN_KERNEL_CHECK:
+        # Counted here, with every program's count in before any tile is stored.
+        inputs_ok = checked_inputs_ok(x_ptr, dy_ptr, status_ptr, tickets_ptr, T, N, K, stride_xt, stride_dt)
+    else:
+        # The input check's verdict (launched before, on the same stream): no tile stores when it counted anything.
+        inputs_ok = (gl.load(status_ptr) == 0) & (gl.load(status_ptr + 1) == 0)
     visit = 0
     part = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -256,16 +264,20 @@ def _epilogue(w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, gr
 def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr,
                  flag_ptr, status_ptr, T, N, K, row0, col0, global_k, grad_scale,
                  h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr, grad_scale_ptr, sums_ptr,
+                 x_ptr, dy_ptr, stride_xt, stride_dt, tickets_ptr,
                  RULE: gl.constexpr, VARIANT: gl.constexpr, HAS_S0: gl.constexpr, HAS_S1: gl.constexpr,
                  HAS_S2: gl.constexpr, W_BF16: gl.constexpr, S_BF16: gl.constexpr,
                  STOCHASTIC: gl.constexpr, ALIGNED: gl.constexpr, DEVICE_SCALARS: gl.constexpr,
                  DEVICE_GRAD_SCALE: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-                 SQUARE_SUMS: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                 SQUARE_SUMS: gl.constexpr, IN_FLIGHT: gl.constexpr, IN_KERNEL_CHECK: gl.constexpr):
     """Persistent, one program per multiprocessor: the matrix warpgroups compute this
     program's gradient tiles one after another into the gradient slots in shared memory,
     the epilogue warps (the default partition) apply the rule to them, and two TMA warps
     feed the one with dy and x blocks (``NUM_STAGES`` ring stages) and the other with
-    weight and state parts (``EPILOGUE_STAGES`` staging slots)."""
+    weight and state parts (``EPILOGUE_STAGES`` staging slots). With ``IN_KERNEL_CHECK``
+    the epilogue warps also check x and dy (read through ``x_ptr`` and ``dy_ptr``, rows
+    ``stride_xt`` and ``stride_dt`` elements apart) and meet at ``tickets_ptr``'s
+    counter; otherwise those arguments are unused."""
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     dy_bufs, x_bufs, ready, free = _ring(dy_desc, x_desc, NUM_STAGES)
@@ -283,8 +295,9 @@ def split_kernel(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_p
         (_epilogue, (w_ptr, s0_ptr, s1_ptr, s2_ptr, flag_ptr, status_ptr, grad_smem, grad_ready, grad_free,
                      w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free, counts_even, counts_odd, N, K, row0,
                      col0, global_k, grad_scale, h0, h1, h2, h3, h4, h5, h6, h7, seed, scalars_ptr, seed_ptr,
-                     grad_scale_ptr, sums_ptr, RULE, VARIANT, HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC,
-                     ALIGNED, DEVICE_SCALARS, DEVICE_GRAD_SCALE, SQUARE_SUMS)),
+                     grad_scale_ptr, sums_ptr, x_ptr, dy_ptr, T, stride_xt, stride_dt, tickets_ptr, RULE, VARIANT,
+                     HAS_S0, HAS_S1, HAS_S2, W_BF16, S_BF16, STOCHASTIC, ALIGNED, DEVICE_SCALARS, DEVICE_GRAD_SCALE,
+                     SQUARE_SUMS, IN_KERNEL_CHECK)),
         (_matrix, (dy_bufs, x_bufs, ready, free, grad_smem, grad_ready, grad_free, T, N, K, IN_FLIGHT)),
         (_ring_loader, (dy_desc, x_desc, dy_bufs, x_bufs, ready, free, T, N, K)),
         (_stage_loader, (w_desc, s0_desc, s1_desc, s2_desc, w_smem, s0_smem, s1_smem, s2_smem, epi_ready, epi_free,

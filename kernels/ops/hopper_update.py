@@ -48,9 +48,19 @@ def kernel_for(config):
 
 def structure_constants(config) -> dict:
     """The compile-time arguments of ``kernel_for(config)`` that only its structure takes:
-    the split kernel's staging slots and whether its token loop keeps a wgmma in flight."""
+    the split kernel's staging slots, whether its token loop keeps a wgmma in flight and
+    whether it checks its inputs itself."""
     if kernel_for(config) is split_kernel:
-        return dict(EPILOGUE_STAGES=config.staging_slots, IN_FLIGHT=config.wgmma_in_flight)
+        return dict(EPILOGUE_STAGES=config.staging_slots, IN_FLIGHT=config.wgmma_in_flight,
+                    IN_KERNEL_CHECK=config.in_kernel_check)
+    return {}
+
+
+def structure_arguments(config, x, dy, tickets) -> dict:
+    """The run-time arguments only the split kernel takes: the inputs its in-kernel check
+    reads (``in_kernel_check``; unused otherwise) and the counter its programs meet at."""
+    if kernel_for(config) is split_kernel:
+        return dict(x_ptr=x, dy_ptr=dy, stride_xt=x.stride(0), stride_dt=dy.stride(0), tickets_ptr=tickets)
     return {}
 
 
@@ -116,8 +126,10 @@ def launch(epilogue, x, dy, weight, square_sums=None):
             HAS_S2=args["HAS_S2"], W_BF16=args["W_BF16"], S_BF16=args["S_BF16"], STOCHASTIC=args["STOCHASTIC"],
             ALIGNED=args["ALIGNED_PAIRS"], DEVICE_SCALARS=args["DEVICE_SCALARS"],
             DEVICE_GRAD_SCALE=args["DEVICE_GRAD_SCALE"], NUM_STAGES=config.num_stages,
-            SQUARE_SUMS=square_sums is not None,
-            **structure_constants(config), num_warps=config.num_warps, enable_fp_fusion=False)
+            SQUARE_SUMS=square_sums is not None, **structure_arguments(config, x, dy, epilogue.tickets),
+            **structure_constants(config), num_warps=config.num_warps, enable_fp_fusion=False,
+            # The in-kernel check waits for every program: they must all be resident at once.
+            **(dict(launch_cooperative_grid=True) if config.in_kernel_check else {}))
     except OutOfResources as error:  # raised when compiling, before the kernel runs: nothing was written
         staged = (f"{config.staging_slots} slots" if kernel_for(config) is split_kernel
                   else "one slot per consumer, two for a tile of several parts")
