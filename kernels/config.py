@@ -85,7 +85,7 @@ class TileConfig:
     element counted once), and it moves no bit of a finite step. Only the split kernel
     takes it; ``oracle=True`` still launches the separate check. Compiled for sm_90
     offline (with it off the split kernel's SASS is unchanged:
-    benchmarks/results/tuning/sass-in-kernel-check-off-3.9.txt), not yet run on a GPU,
+    benchmarks/results/tuning/sass-in-kernel-check-3.9.txt), not yet run on a GPU,
     so no tuned entry sets it."""
 
     block_n: int = 64
