@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from probe_operand_loads import same_bits  # noqa: E402
 
 fk = bu.fk
 
@@ -41,10 +42,6 @@ def one_step(layer, config, nan=False):
         assert torch.equal(w.view(torch.uint8), layer.w.view(torch.uint8)), "a refused step wrote the weight"
         return None
     return [w] + list(state.values())
-
-
-def same_bits(a, b):
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
 
 
 def main():
