@@ -5,10 +5,12 @@ the kernel alone, timed alternately in one process beside torch's captured step;
 one step with each from the same weight and state, compared bit for bit, and one with a
 NaN in dy, which must write nothing with either.
 
-The tuned config of each regime and token count is the separate-check side; the same
-config with ``in_kernel_check=True`` the other (split Hopper configs only).
+The tuned config of each regime and token count (or ``--config``, for a regime whose
+tuned entry is not the split kernel) is the separate-check side; the same config with
+``in_kernel_check=True`` the other (split Hopper configs only).
 
-    python3 benchmarks/probe_in_kernel_check.py [--shapes 4096x4096] [--tokens 4096,16384] [--regimes fp32]
+    PYTHONPATH=. python3 benchmarks/probe_in_kernel_check.py [--shapes 4096x4096] [--tokens 4096,16384] [--regimes fp32]
+        [--config "128,128,64,8,4,None,8,hopper,rows,None,pointers,True"]
 """
 
 import argparse
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from checkout import parse_config  # noqa: E402
 from probe_operand_loads import same_bits  # noqa: E402
 
 fk = bu.fk
@@ -49,13 +52,15 @@ def main():
     parser.add_argument("--shapes", default="4096x4096")
     parser.add_argument("--tokens", default="4096,16384")
     parser.add_argument("--regimes", default="fp32")
+    parser.add_argument("--config", help="the separate-check side's tile config (default: the tuned one)")
     args = parser.parse_args()
     configs = bu.json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}")
     for shape, t, regime in itertools.product(args.shapes.split(","), map(int, args.tokens.split(",")),
                                               args.regimes.split(",")):
         n, k = map(int, shape.split("x"))
-        separate = bu.tuned_config(configs, regime, t)
+        separate = (fk.TileConfig(*parse_config(args.config)) if args.config
+                    else bu.tuned_config(configs, regime, t))
         if not (separate.kernel == "hopper" and separate.num_warps in (8, 16)):
             print(f"{n}x{k} T={t} {regime}: tuned {separate} is not the split kernel; skipped", flush=True)
             continue
