@@ -5,7 +5,9 @@ each replay back to back for two seconds, twice, sampled by ``nvidia-smi`` every
 Why: at 16,384 tokens the fused kernel runs about 12 % longer than its token loop alone,
 and an H100 runs such work at its 700 W cap; if the epilogue's extra memory traffic cost
 power, the clock would drop while the fused kernel runs. ms/iter is from CUDA events over
-the replays (no L2 flush between them, unlike ``do_bench``).
+the replays (no L2 flush between them, unlike ``do_bench``; the host waits for the GPU
+every 20 replays, in the time measured); the clock and power are the samples after each
+phase's first 0.3 s.
 
     PYTHONPATH=. python3 benchmarks/probe_clocks.py [--cases 4096x4096:16384,4096x14336:16384]
 """

@@ -86,9 +86,10 @@ class TileConfig:
     takes it; ``oracle=True`` still launches the separate check. With it off the split
     kernel's SASS is unchanged (benchmarks/results/tuning/sass-in-kernel-check-3.9.txt).
     Measured on an H100, the captured step with it runs at 0.98-1.03x the speed of the
-    step with the separate check in fp32 and 0.94-0.99x in bf16-SR (the folded read costs what the
-    check kernel cost: benchmarks/results/tuning/h100-in-kernel-check-3e7e768.log), so
-    no tuned entry sets it."""
+    step with the separate check in fp32 and 0.94-0.99x in bf16-SR: the folded read
+    costs about what the check kernel cost, and more in bf16-SR
+    (benchmarks/results/tuning/h100-in-kernel-check-3e7e768.log), so no tuned entry
+    sets it."""
 
     block_n: int = 64
     block_k: int = 64
