@@ -11,10 +11,9 @@ Triton 3.6 cannot: ``probe_multicast.py``), with a Triton 3.8+ on ``PYTHONPATH``
 
 What it builds, in Gluon's CGA model: a cluster of ``CTAS`` (1 or 2) CTAs owns a cluster
 tile of CTAS * 128 rows x 128 columns; CTA c its tile row CTAS * cluster_row + c, the same
-128 x 128 tiles and 64-token blocks as the tuned fp32 entry (128, 128, 64, 8, 3, None,
-8, 'hopper', 'rows'), so each tile's wgmma sequence is the product's and its bits must
-be too. With CTAS = 2 the lead CTA copies each x block into both CTAs' rings by one
-multicast TMA load once both have released the stage (a two-CTA barrier: both arrive at
+128 x 128 tiles and 64-token blocks as the tuned fp32 entries (``TILES``), so each tile's
+wgmma sequence is the product's and its bits must be too. With CTAS = 2 the lead CTA
+copies each x block into both CTAs' rings by one multicast TMA load once both have released the stage (a two-CTA barrier: both arrive at
 the lead's, only the lead waits); each CTA copies its own dy block. The epilogue is the
 product's on 16-row parts with a leading CTA dimension: the rule (``AdamW.update``), the
 verdict and the stores per CTA (the bad-tile count added relaxed: at the default ordering
@@ -22,9 +21,16 @@ Gluon syncs the cluster at each part), fp32 weight and state only (no rounding, 
 = 1 is the same code with no multicast, which separates the multicast's effect from most
 of the kernel's other differences (the tile order is in bands of 4 cluster rows: 8 tile rows
 with two CTAs, as the product's, 4 with one). The product kernel is timed with the tuned
-1,024-token entry's tile at every token count.
+1,024-token entry's tile at every token count, or with ``--tile 16384`` the 16,384-token
+entry's (four ring stages, one staging slot, a wgmma in flight: the cluster kernel then
+takes the same ring, slot and wait, so its 1-CTA form is the product's kernel in bands of 4).
 
     PYTHONPATH=/tmp/site:... python3 benchmarks/probe_cluster.py --shapes 4096x4096,4096x14336 --tokens 512,1024
+    PYTHONPATH=/tmp/site:... python3 benchmarks/probe_cluster.py --tile 16384 --tokens 16384,4096
+
+``--compile-only`` compiles the cluster kernel for sm_90a without a GPU and prints its
+shared memory, registers, stack and spill stores, and its multicast loads and
+``wgmma.wait_group 1`` waits (the wgmma in flight), one line per CTA count.
 """
 
 import argparse
@@ -48,10 +54,18 @@ import forge_kernels as fk  # noqa: E402
 from forge_kernels.ops.finite_check import BAD_TILES, STATUS_WORDS, is_finite  # noqa: E402
 from forge_kernels.ops.fused_weight_update import _Epilogue, _storable  # noqa: E402
 
-# The tile, token block, row part, ring stages and staging slots of the tuned fp32 entry.
-BLOCK_T, BLOCK_N, BLOCK_K, PART_ROWS, RING, STAGING = 64, 128, 128, 16, 3, 2
-BT, BN, BK, PART_N, STAGES, SLOTS = (gl.constexpr(v) for v in (BLOCK_T, BLOCK_N, BLOCK_K, PART_ROWS, RING, STAGING))
-PRODUCT = fk.TileConfig(128, 128, 64, 8, 3, None, 8, "hopper", "rows")
+# The tile, token block and row part of the tuned fp32 entries.
+BLOCK_T, BLOCK_N, BLOCK_K, PART_ROWS = 64, 128, 128, 16
+BT, BN, BK, PART_N = (gl.constexpr(v) for v in (BLOCK_T, BLOCK_N, BLOCK_K, PART_ROWS))
+# --tile: the tuned fp32 entry whose ring stages, staging slots and wgmma-in-flight the
+# cluster kernel takes, and that entry as the product kernel it is checked and timed against.
+TILES = {
+    "1024": (3, 2, False, fk.TileConfig(128, 128, 64, 8, 3, None, 8, "hopper", "rows")),
+    "16384": (4, 1, True, fk.TileConfig(128, 128, 64, 8, 4, None, 8, "hopper", "rows", 1, "pointers", True)),
+}
+# Set from --tile in main(), before the first compile (the kernels read them as constants).
+STAGES, SLOTS, IN_FLIGHT = (gl.constexpr(v) for v in TILES["1024"][:3])
+PRODUCT = TILES["1024"][3]
 _BAD = gl.constexpr(BAD_TILES)
 _BAND = gl.constexpr(4)  # cluster rows per band: 8 tile rows, the product's band
 
@@ -103,6 +117,14 @@ def _ring_loader(dy_desc, x_desc, dy_bufs, x_bufs, ready, free, free_pair, T, N,
 
 
 @gluon.jit
+def _release(free, free_pair, s):
+    """Ring stage ``s`` handed back: to this CTA's loader, and with two CTAs to the lead's."""
+    mbarrier.arrive(free.index(s))
+    if gl.num_ctas() > 1:
+        mbarrier.arrive(free_pair.index(s))
+
+
+@gluon.jit
 def _matrix(dy_bufs, x_bufs, ready, free, free_pair, grad_smem, grad_ready, grad_free, T, N, K):
     CTAS: gl.constexpr = gl.num_ctas()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -117,11 +139,18 @@ def _matrix(dy_bufs, x_bufs, ready, free, free_pair, grad_smem, grad_ready, grad
             s = counter % STAGES
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
             acc = warpgroup_mma(dy_bufs.index(s).permute((1, 0)), x_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(s))
-            if CTAS > 1:
-                mbarrier.arrive(free_pair.index(s))
+            if IN_FLIGHT:  # the product's _token_loop: the previous block's stage is freed once its wgmma retired
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if i > 0:
+                    _release(free, free_pair, (counter + STAGES - 1) % STAGES)
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _release(free, free_pair, s)
             counter += 1
+        if IN_FLIGHT:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if num_t > 0:
+                _release(free, free_pair, (counter + STAGES - 1) % STAGES)
         mbarrier.wait(grad_free.index(0), (visit & 1) ^ 1)
         grad_smem.index(0).store(acc)
         gl.barrier()  # every warp's rows are in shared memory before the slot is handed over
@@ -298,17 +327,67 @@ def cluster_step(ctas):
     return make
 
 
+def compile_only(ctas):
+    """The cluster kernel compiled for sm_90a (no GPU needed): one line of what it holds."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    T, N, K = 1024, 4096, 4096
+    x, dy = torch.empty(T, K, dtype=torch.bfloat16), torch.empty(T, N, dtype=torch.bfloat16)
+    w, m, v = (torch.empty(N, K) for _ in range(3))
+    names = cluster_kernel.arg_names
+    r = bu.rule()
+    signature = dict(zip(["dy_desc", "x_desc", "w_desc", "m_desc", "v_desc"],
+                         (mangle_type(d) for d in descriptors(ctas, x, dy, w, m, v))))
+    signature.update(w_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32", flag_ptr="*i32", status_ptr="*i32", T="i32",
+                     N="i32", K="i32", RULE="constexpr", VARIANT="constexpr",
+                     **{f"h{i}": "fp32" for i in range(8)})  # Python floats, as the launch passes them
+    source = GluonASTSource(cluster_kernel, signature,
+                            constexprs={(names.index("RULE"),): r.update, (names.index("VARIANT"),): r.variant},
+                            attrs={(names.index(n),): [["tt.divisibility", 16]]
+                                   for n in ("w_ptr", "m_ptr", "v_ptr", "flag_ptr", "T", "N", "K")})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8, num_ctas=ctas, enable_fp_fusion=False))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True).stdout
+    ptx = compiled.asm["ptx"]
+    print(f"{ctas} CTA(s), {PRODUCT}: shared {compiled.metadata.shared} bytes, "
+          f"{' '.join(re.findall(r'REG:[0-9]+|STACK:[0-9]+', usage))}, STL {len(re.findall(r'[^A-Z]STL', sass))}, "
+          f"multicast loads {ptx.count('multicast::cluster')}, "
+          f"wgmma.wait_group 1 {ptx.count('wgmma.wait_group.sync.aligned 1')}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="4096x4096,4096x14336")
     parser.add_argument("--tokens", default="512,1024")
     parser.add_argument("--ctas", default="2,1")
+    parser.add_argument("--tile", default="1024", choices=sorted(TILES),
+                        help="the tuned fp32 entry (token count) whose ring, staging slots and wgmma in flight to take")
+    parser.add_argument("--compile-only", action="store_true", help="compile for sm_90a and say what the kernel holds")
     args = parser.parse_args(argv)
+    global STAGES, SLOTS, IN_FLIGHT, PRODUCT
+    STAGES, SLOTS, IN_FLIGHT = (gl.constexpr(v) for v in TILES[args.tile][:3])
+    PRODUCT = TILES[args.tile][3]
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
         sys.exit(f"probe_cluster.py needs Triton 3.8 or later (multicast TMA loads, two-CTA barriers); "
                  f"this is {triton.__version__}")
+    if args.compile_only:
+        print(f"# triton {triton.__version__}, sm_90a, offline", flush=True)
+        for ctas in (int(v) for v in args.ctas.split(",")):
+            compile_only(ctas)
+        return
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"FORGE_COMMIT={os.environ.get('FORGE_COMMIT', '?')}", flush=True)
+          f"FORGE_COMMIT={os.environ.get('FORGE_COMMIT', '?')}; product kernel and cluster stages as {PRODUCT}",
+          flush=True)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         for t in (int(v) for v in args.tokens.split(",")):
