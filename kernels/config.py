@@ -15,6 +15,9 @@ EPILOGUE_AXES = ("columns", "rows")
 EPILOGUE_STAGES = (1, 2, 3, 4)
 DEFAULT_EPILOGUE_STAGES = 2
 OPERAND_LOADS = ("pointers", "tma")
+# The True-or-False fields only the split Hopper kernel takes, and what it does with each.
+_SPLIT_KERNEL_FLAGS = {"wgmma_in_flight": "runs its token loop on wgmma with a block in flight; leave it False here",
+                       "in_kernel_check": "checks its inputs itself; leave it False here (the separate check runs)"}
 
 
 @dataclass(frozen=True)
@@ -140,18 +143,13 @@ class TileConfig:
                              f"kernel's default, {DEFAULT_EPILOGUE_STAGES}) or one of {EPILOGUE_STAGES}")
         if self.operand_loads not in OPERAND_LOADS:
             raise ValueError(f"TileConfig.operand_loads={self.operand_loads!r}: must be one of {OPERAND_LOADS}")
-        if type(self.wgmma_in_flight) is not bool:
-            raise TypeError(f"TileConfig.wgmma_in_flight={self.wgmma_in_flight!r}: must be True or False")
-        if self.wgmma_in_flight and not (self.kernel == "hopper" and self.num_warps in (8, 16)):
-            raise ValueError("TileConfig.wgmma_in_flight=True: only the split Hopper kernel (kernel='hopper', "
-                             "num_warps=8 or 16) runs its token loop on wgmma with a block in flight; leave it "
-                             "False here")
-        if type(self.in_kernel_check) is not bool:
-            raise TypeError(f"TileConfig.in_kernel_check={self.in_kernel_check!r}: must be True or False")
-        if self.in_kernel_check and not (self.kernel == "hopper" and self.num_warps in (8, 16)):
-            raise ValueError("TileConfig.in_kernel_check=True: only the split Hopper kernel (kernel='hopper', "
-                             "num_warps=8 or 16) checks its inputs itself; leave it False here (the separate "
-                             "check runs)")
+        for name, what in _SPLIT_KERNEL_FLAGS.items():
+            value = getattr(self, name)
+            if type(value) is not bool:
+                raise TypeError(f"TileConfig.{name}={value!r}: must be True or False")
+            if value and not (self.kernel == "hopper" and self.num_warps in (8, 16)):
+                raise ValueError(f"TileConfig.{name}=True: only the split Hopper kernel (kernel='hopper', "
+                                 f"num_warps=8 or 16) {what}")
         if self.kernel == "hopper":
             self._check_hopper()
         elif self.epilogue_stages is not None:

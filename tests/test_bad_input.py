@@ -199,18 +199,13 @@ def test_bad_config_and_rule_are_refused(good):
                           epilogue_stages=stages)
     with pytest.raises(ValueError, match="epilogue_stages=3: only the split Hopper kernel"):
         fk.TileConfig(epilogue_stages=3)
-    for flag in (1, "True", None):
-        with pytest.raises(TypeError, match=f"wgmma_in_flight={flag!r}: must be True or False"):
-            fk.TileConfig(128, 128, 64, 8, 4, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
-                          wgmma_in_flight=flag)
-    with pytest.raises(ValueError, match="wgmma_in_flight=True: only the split Hopper kernel"):
-        fk.TileConfig(wgmma_in_flight=True)
-    for flag in (1, "True", None):
-        with pytest.raises(TypeError, match=f"in_kernel_check={flag!r}: must be True or False"):
-            fk.TileConfig(128, 128, 64, 8, 4, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
-                          in_kernel_check=flag)
-    with pytest.raises(ValueError, match="in_kernel_check=True: only the split Hopper kernel"):
-        fk.TileConfig(in_kernel_check=True)
+    for name in ("wgmma_in_flight", "in_kernel_check"):
+        for flag in (1, "True", None):
+            with pytest.raises(TypeError, match=f"{name}={flag!r}: must be True or False"):
+                fk.TileConfig(128, 128, 64, 8, 4, epilogue_split=8, kernel="hopper", epilogue_axis="rows",
+                              **{name: flag})
+        with pytest.raises(ValueError, match=f"{name}=True: only the split Hopper kernel"):
+            fk.TileConfig(**{name: True})
     with pytest.raises(ValueError, match="block_k / epilogue_split >= 32"):
         _call(x, dy, w, rule.init_state(w, "q8"), rule, config=fk.TileConfig(block_k=64, epilogue_split=4))
 
