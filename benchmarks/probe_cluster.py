@@ -29,8 +29,9 @@ takes the same ring, slot and wait, so its 1-CTA form is the product's kernel in
     PYTHONPATH=/tmp/site:... python3 benchmarks/probe_cluster.py --tile 16384 --tokens 16384,4096
 
 ``--compile-only`` compiles the cluster kernel for sm_90a without a GPU and prints its
-shared memory, registers, stack and spill stores, and its multicast loads and
-``wgmma.wait_group 1`` waits (the wgmma in flight), one line per CTA count.
+shared memory, registers and spill stores (``sass_count.ptxas_usage``: the wheel's
+ptxas), and its multicast loads and ``wgmma.wait_group 1`` waits (the wgmma in flight),
+one line per CTA count.
 """
 
 import argparse
@@ -40,15 +41,19 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
 from probe_operand_loads import same_bits  # noqa: E402
+from sass_count import ptxas_usage  # noqa: E402
 
 import forge_kernels as fk  # noqa: E402
 from forge_kernels.ops.finite_check import BAD_TILES, STATUS_WORDS, is_finite  # noqa: E402
@@ -329,13 +334,6 @@ def cluster_step(ctas):
 
 def compile_only(ctas):
     """The cluster kernel compiled for sm_90a (no GPU needed): one line of what it holds."""
-    import re
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     T, N, K = 1024, 4096, 4096
     x, dy = torch.empty(T, K, dtype=torch.bfloat16), torch.empty(T, N, dtype=torch.bfloat16)
     w, m, v = (torch.empty(N, K) for _ in range(3))
@@ -352,16 +350,10 @@ def compile_only(ctas):
                                    for n in ("w_ptr", "m_ptr", "v_ptr", "flag_ptr", "T", "N", "K")})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=8, num_ctas=ctas, enable_fp_fusion=False))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True).stdout
     ptx = compiled.asm["ptx"]
-    print(f"{ctas} CTA(s), {PRODUCT}: shared {compiled.metadata.shared} bytes, "
-          f"{' '.join(re.findall(r'REG:[0-9]+|STACK:[0-9]+', usage))}, STL {len(re.findall(r'[^A-Z]STL', sass))}, "
-          f"multicast loads {ptx.count('multicast::cluster')}, "
+    registers, spills = ptxas_usage(ptx, None)
+    print(f"{ctas} CTA(s), {PRODUCT}: shared {compiled.metadata.shared} bytes, registers {registers}, "
+          f"spill stores {spills} bytes, multicast loads {ptx.count('multicast::cluster')}, "
           f"wgmma.wait_group 1 {ptx.count('wgmma.wait_group.sync.aligned 1')}", flush=True)
 
 
