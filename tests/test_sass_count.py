@@ -23,6 +23,18 @@ def _field(line, name):
     return int(fields[fields.index(name) + 1])
 
 
+def _split_kernel_with_and_without(config, flag_fields):
+    """The fp32 report lines of the split kernel at ``config`` and with ``flag_fields``
+    appended: a flag that changes its code but must leave its shared memory and its wgmma
+    instructions as they are."""
+    lines = _sass_count("--regimes", "fp32", "--configs", f"{config};{config},{flag_fields}")
+    assert len(lines) == 2, lines
+    without, with_flag = lines
+    assert _field(with_flag, "shared") == _field(without, "shared"), lines
+    assert _field(with_flag, "wgmma") == _field(without, "wgmma"), lines
+    return without, with_flag
+
+
 def test_sass_count_compiles_the_fp32_kernel_for_sm90_offline():
     line = _sass_count("--regimes", "fp32", timeout=300)[0]
     assert 32 <= _field(line, "registers") <= 255 and _field(line, "instructions") > 500, line
@@ -83,13 +95,8 @@ def test_wgmma_in_flight_reaches_the_split_kernel():
     last block's stage released after the loop, behind a barrier of its own), in the same
     shared memory and with the same wgmma instructions; were the flag lost on the way to
     the kernel, the two builds would be the same."""
-    lines = _sass_count("--regimes", "fp32", "--configs", "128,128,64,8,4,None,8,hopper,rows,1;"
-                        "128,128,64,8,4,None,8,hopper,rows,1,pointers,True")
-    assert len(lines) == 2, lines
-    drained, in_flight = lines
-    assert _field(in_flight, "shared") == _field(drained, "shared"), lines
-    assert _field(in_flight, "wgmma") == _field(drained, "wgmma"), lines
-    assert _field(in_flight, "barriers") > _field(drained, "barriers"), lines
+    drained, in_flight = _split_kernel_with_and_without("128,128,64,8,4,None,8,hopper,rows,1", "pointers,True")
+    assert _field(in_flight, "barriers") > _field(drained, "barriers"), (drained, in_flight)
 
 
 def test_in_kernel_check_reaches_the_split_kernel():
@@ -97,13 +104,9 @@ def test_in_kernel_check_reaches_the_split_kernel():
     x and dy, the tickets and the wait) into the split kernel, in the same shared memory
     and with the same wgmma instructions; were the flag lost on the way to the kernel,
     the two builds would be the same."""
-    lines = _sass_count("--regimes", "fp32", "--configs", "128,128,64,8,4,None,8,hopper,rows,1,pointers,True;"
-                        "128,128,64,8,4,None,8,hopper,rows,1,pointers,True,True")
-    assert len(lines) == 2, lines
-    separate, in_kernel = lines
-    assert _field(in_kernel, "shared") == _field(separate, "shared"), lines
-    assert _field(in_kernel, "wgmma") == _field(separate, "wgmma"), lines
-    assert _field(in_kernel, "instructions") > _field(separate, "instructions"), lines
+    separate, in_kernel = _split_kernel_with_and_without("128,128,64,8,4,None,8,hopper,rows,1,pointers,True",
+                                                         "True")
+    assert _field(in_kernel, "instructions") > _field(separate, "instructions"), (separate, in_kernel)
 
 
 def test_streaming_epilogue_compiles_beside_the_fused_kernel():
