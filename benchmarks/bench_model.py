@@ -116,7 +116,8 @@ METHODS = ("torch", "torch captured", "forge", "forge deferred", "forge captured
 DEFERRED = ("forge deferred", "forge captured", "forge captured lagged")
 
 
-def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient", hand_over=False):
+def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm="gradient", hand_over=False,
+            input_check="step"):
     dtype = torch.float32 if name == "fp32-master" else torch.bfloat16
     model = build(layers, dtype)
     deferred = method in DEFERRED
@@ -125,7 +126,7 @@ def variant(name, method, layers, tokens, configs, batch=1, max_norm=None, norm=
         config = tuned_config(configs, regime, tokens * batch) if configs else fk.PINNED
         _, state_format, rounding = REGIMES[regime]
         fk.fuse(model, fk.AdamW(lr=1e-4, weight_decay=0.01), state_format=state_format, rounding=rounding,
-                config=config, seed=1, report="defer" if deferred else "raise")
+                config=config, seed=1, report="defer" if deferred else "raise", input_check=input_check)
         others = fk.unfused_parameters(model)
     else:
         others = list(model.parameters())
@@ -263,6 +264,9 @@ def main(argv=None):
     parser.add_argument("--max-norm", type=float, default=None, help="clip every method's step by global norm")
     parser.add_argument("--norm", choices=("gradient", "tiles"), default="gradient",
                         help="with --max-norm, how FORGE takes each fused layer's norm")
+    parser.add_argument("--input-check", choices=("step", "tiles"), default="step",
+                        help="the fused layers' input_check: scan x and dY before each step, or leave a non-finite "
+                             "input to the tiles it reaches")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_model.py measures on a GPU; none is visible here")
@@ -270,7 +274,7 @@ def main(argv=None):
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "commit": os.environ.get("FORGE_COMMIT", "unknown"),
             "layers": args.layers, "max_norm": args.max_norm, "norm": args.norm if args.max_norm else None,
-            "hand_over_optimizer": args.hand_over_optimizer}
+            "hand_over_optimizer": args.hand_over_optimizer, "input_check": args.input_check}
     rows = []
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -292,14 +296,15 @@ def main(argv=None):
                     continue
                 if args.fit_under is not None:
                     batch = largest_batch(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
-                                          norm=args.norm)
+                                          norm=args.norm, input_check=args.input_check)
                     rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
                                  "cap_gb": args.fit_under, "largest_batch": batch})
                     print(f"T={tokens:5d} {name:11s} {method:14s} largest micro-batch under {args.fit_under:g} GB: "
                           f"{batch}", flush=True)
                     continue
                 model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
-                                      norm=args.norm, hand_over=args.hand_over_optimizer)
+                                      norm=args.norm, hand_over=args.hand_over_optimizer,
+                                      input_check=args.input_check)
                 median, low, high, peak, reserved = measure(step, args.warmup, args.steps, args.back_to_back)
                 rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
                              "back_to_back": args.back_to_back, "median_ms": f"{median:.3f}",

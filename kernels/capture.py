@@ -501,7 +501,7 @@ class CapturedStep:
             if grad is None:
                 self._outcomes[layer] = fused_weight_update(x2d, dy2d, layer.weight.data, layer.forge_state,
                                                             layer.rule, scalars, oracle=layer.oracle,
-                                                            square_sums=sums, **options)
+                                                            square_sums=sums, input_check=layer.input_check, **options)
                 if sums is not None:
                     self._norms[id(layer.weight)] = norm_from_square_sums(sums)
             else:

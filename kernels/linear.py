@@ -32,7 +32,7 @@ from . import q8
 from .config import TileConfig
 from .errors import NonFiniteUpdateError, reword
 from .hf import is_conv1d
-from .ops.fused_weight_update import ROUNDINGS, apply_rule, check_report, fused_weight_update
+from .ops.fused_weight_update import ROUNDINGS, apply_rule, check_input_check, check_report, fused_weight_update
 from .ops.stochastic_round import check_seed, stream_seed
 from .rules.base import STATE_FORMATS, Rule, recorded_hyperparameters, shown_hyperparameters
 from .tensor_parallel import check_input_layout, is_dtensor, local_operands, local_weight
@@ -186,24 +186,32 @@ class ForgeLinear(nn.Linear):
     ``forge_step`` once it is checked and found clean; one whose inputs were
     non-finite wrote nothing and does not count; one with non-finite tiles stops the
     layer as in ``"raise"`` mode (``forge_accept_partial_step``).
+
+    ``input_check``: ``"step"`` (default) scans x and dY before each fused step, and a
+    non-finite element skips the whole step (``NonFiniteInputError``); ``"tiles"`` skips
+    that scan, a read of x and dY, and leaves such an element to the tiles whose sums it
+    makes non-finite: they are not written, the others step, the step raises
+    ``NonFiniteUpdateError`` and the layer stops as for any failed tile
+    (``fused_weight_update``'s ``input_check``). Steps on a materialized gradient (the
+    data-parallel bucket path) always scan it.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,
                  state_format="fp32", rounding=None, seed=0, weight_slice=None, report="raise", device=None,
-                 dtype=None):
+                 dtype=None, input_check="step"):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_forge(rule, oracle, config, state_format, rounding, seed, weight_slice=weight_slice,
-                         report=report)
+                         report=report, input_check=input_check)
         self._hook_weight()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rule, *, oracle=False, config=None, state_format="fp32",
-                    rounding=None, seed=0, name=None, weight_slice=None, report="raise"):
+                    rounding=None, seed=0, name=None, weight_slice=None, report="raise", input_check="step"):
         """A ForgeLinear that takes over ``linear``'s own Parameter objects (no copy) and
         its module hooks (e.g. the input/output layout hooks of ``parallelize_module``)."""
         layer = cls._unhooked_from_linear(linear, rule, oracle=oracle, config=config, state_format=state_format,
                                           rounding=rounding, seed=seed, name=name, weight_slice=weight_slice,
-                                          report=report)
+                                          report=report, input_check=input_check)
         layer._hook_weight()
         return layer
 
@@ -223,7 +231,7 @@ class ForgeLinear(nn.Linear):
         return layer
 
     def _init_forge(self, rule, oracle=False, config=None, state_format="fp32", rounding=None, seed=0, name=None,
-                    weight_slice=None, report="raise"):
+                    weight_slice=None, report="raise", input_check="step"):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a forge_kernels Rule, got {type(rule).__name__}")
         if config is not None and not isinstance(config, TileConfig):
@@ -238,6 +246,7 @@ class ForgeLinear(nn.Linear):
             raise ValueError("a DTensor weight knows its place in the global weight; pass no weight_slice")
         self.rule, self.oracle, self.config, self.rounding = rule, bool(oracle), config, rounding
         self.report = check_report(report)
+        self.input_check = check_input_check(input_check)
         self.weight_slice = weight_slice if weight_slice is not None else (
             weight_slice_of(self.weight) if is_dtensor(self.weight) else None)
         self.forge_name = name or "ForgeLinear"
@@ -530,7 +539,8 @@ class ForgeLinear(nn.Linear):
             with torch.no_grad():
                 if grad is None:
                     outcome = fused_weight_update(x2d, dy2d, weight, self.forge_state, rule or self.rule, step,
-                                                  oracle=self.oracle, square_sums=square_sums, **options)
+                                                  oracle=self.oracle, square_sums=square_sums,
+                                                  input_check=self.input_check, **options)
                 else:
                     outcome = apply_rule(grad, weight, self.forge_state, rule or self.rule, step, **options)
         except FloatingPointError as error:  # "raise": the kernels ran and found non-finite values
@@ -631,7 +641,7 @@ def _shared_parameters(model: nn.Module) -> dict:
 
 
 def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp32", rounding=None,
-         seed=0, exclude=(), report="raise") -> nn.Module:
+         seed=0, exclude=(), report="raise", input_check="step") -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a ForgeLinear using ``rule``.
 
     Weights may be float32 or bfloat16; ``state_format``, ``rounding`` and ``seed`` are
@@ -639,6 +649,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
     derived from ``seed`` and its position in ``model.named_modules()`` order.
     ``report`` is the layers' ``"raise"`` or ``"defer"`` (see ``ForgeLinear``; with
     ``"defer"`` call ``check_updates(model)`` where a step's errors should surface).
+    ``input_check`` is the layers' ``"step"`` or ``"tiles"`` (see ``ForgeLinear``).
 
     ``exclude`` names modules (as in ``named_modules()``) whose Linear layers, the module
     itself or any inside it, stay unfused, e.g. an ``lm_head`` tied to the embedding: its
@@ -659,6 +670,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
         raise TypeError("fuse converts the Linear layers inside a model; wrap a single layer with "
                         "ForgeLinear.from_linear instead")
     check_report(report)
+    check_input_check(input_check)
     shared = _shared_parameters(model)
     exclude = set(exclude)
     unknown = exclude - {name for name, _ in model.named_modules()}
@@ -695,7 +707,7 @@ def fuse(model: nn.Module, rule, *, oracle=False, config=None, state_format="fp3
         try:
             layers.append(ForgeLinear._unhooked_from_linear(
                 linear, rule, oracle=oracle, config=config, state_format=state_format, rounding=rounding,
-                seed=stream_seed(seed, index + 1, 0), name=qualified, report=report))
+                seed=stream_seed(seed, index + 1, 0), name=qualified, report=report, input_check=input_check))
         except (TypeError, ValueError) as error:
             reword(error, f"layer {qualified!r}: ", " (nothing was fused)")
             raise

@@ -122,6 +122,33 @@ def test_a_non_finite_replay_stops_the_capture_and_writes_nothing():
 
 
 @needs_cuda
+def test_unscanned_replay_fails_the_reached_tiles_and_stops_the_layers():
+    """With input_check="tiles" a captured step launches no scan: a NaN in the input
+    reaches every tile of the second layer (its x row is NaN) and the first layer's tiles
+    holding column 5; the replay raises NonFiniteUpdateError, stops the capture, and no
+    weight or state holds a non-finite value; the unscanned steps before it were the
+    scanned steps' bits."""
+    (scanned, unscanned), batch = _models("cuda", "fp32")
+    for layer in (unscanned[0], unscanned[2]):
+        layer.input_check = "tiles"
+    inputs = [torch.empty(24, 48, device="cuda") for _ in range(2)]
+    steps = [_captured(model, static_x) for model, static_x in zip((scanned, unscanned), inputs)]
+    for _ in range(3):
+        x = batch()
+        for static_x, step in zip(inputs, steps):
+            static_x.copy_(x)
+            step()
+    _assert_same_models(unscanned, scanned, "three clean steps")
+    inputs[1][3, 5] = float("nan")
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"(?s)step 4 \(CapturedStep\).*not scanned"):
+        steps[1]()
+    assert not steps[1].active
+    for name, tensor in unscanned.state_dict().items():
+        if tensor.is_floating_point():
+            assert torch.isfinite(tensor).all(), name
+
+
+@needs_cuda
 @pytest.mark.exactness
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 def test_lagged_replays_are_bitwise_the_every_step_replays(regime):

@@ -412,6 +412,37 @@ def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(co
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS, IN_FLIGHT, SIXTEEN_WARPS_ROWS], ids=lambda c: _name(c))
+@pytest.mark.parametrize("where", ["x", "dy"])
+def test_unscanned_non_finite_inputs_fail_the_portable_kernels_tiles(config, where):
+    """input_check="tiles": no scan, so an infinity and a NaN in x (or dy) reach the
+    tiles holding their columns (rows) through the wgmma sums, 0 * inf included (the
+    infinity's token row of the other operand is zero); the Hopper kernel names the
+    portable kernel's parts and leaves its bits, with nothing non-finite stored."""
+    rule = fk.AdamW()
+    x, dy, w = _inputs(200, 1024, 768, torch.float32)
+    if where == "x":
+        x[77, 300], x[150, 5] = float("nan"), float("inf")
+        dy[150] = 0
+    else:
+        dy[77, 300], dy[150, 5] = float("nan"), float("-inf")
+        x[150] = 0
+    state = _state(rule, w, "fp32")
+    found = []
+    for kernel_config in (config, _portable(config)):
+        w_k, state_k = w.clone(), {name: value.clone() for name, value in state.items()}
+        with pytest.raises(fk.NonFiniteUpdateError, match="not scanned") as raised:
+            fk.fused_weight_update(x, dy, w_k, state_k, rule, 1, config=kernel_config, input_check="tiles")
+        assert torch.isfinite(w_k).all() and all(torch.isfinite(v).all() for v in state_k.values())
+        found.append((sorted(raised.value.tiles), w_k, state_k))
+    assert found[0][0] == found[1][0]
+    axis = 2 if where == "x" else 0  # a part's (first, end) columns for x, rows for dy
+    assert found[0][0] and all(any(part[axis] <= i < part[axis + 1] for i in (300, 5)) for part in found[0][0])
+    _assert_same(found[0][1:], found[1][1:], f"after unscanned non-finite {where}")
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [IN_KERNEL_CHECK, IN_KERNEL_CHECK_SIXTEEN_WARPS], ids=lambda c: _name(c))
 def test_in_kernel_check_meets_every_program_once_a_launch(config):
     """Every program of the launch takes one ticket at the grid barrier: the counter reads

@@ -340,12 +340,22 @@ def _apply_rule_kernel(grad_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, e0_ptr, e1_ptr, 
 
 ROUNDINGS = ("stochastic", "nearest")
 REPORTS = ("raise", "defer")
+# "step": x and dy are scanned before the update, and a non-finite element skips the
+# whole step. "tiles": no scan; the element makes the sums of the tiles it reaches
+# non-finite, those tiles are skipped by their own verdict and the others step.
+INPUT_CHECKS = ("step", "tiles")
 
 
 def check_report(report) -> str:
     if report not in REPORTS:
         raise ValueError(f"report must be one of {REPORTS}, got {report!r}")
     return report
+
+
+def check_input_check(input_check) -> str:
+    if input_check not in INPUT_CHECKS:
+        raise ValueError(f"input_check must be one of {INPUT_CHECKS}, got {input_check!r}")
+    return input_check
 
 
 def _capturing(weight) -> bool:
@@ -508,7 +518,7 @@ def check_epilogue_arguments(weight, state, rule, step, *, config=None, rounding
 
 def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, config=None,
                         rounding=None, seed=0, grad_scale=1.0, weight_slice=None, report="raise",
-                        square_sums=None):
+                        square_sums=None, input_check="step"):
     """Update ``weight`` (N, K) and ``state`` in place by one step of ``rule`` with dW = dyᵀ x.
 
     x: (T, K) and dy: (T, N), both float32 or both bfloat16, any strides. ``weight``
@@ -551,7 +561,15 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     update writes nothing and the call
     raises ``NonFiniteInputError``. A tile whose gradient or result is non-finite
     (overflow) is not written; the call then raises ``NonFiniteUpdateError`` listing
-    the tiles. ``report="raise"`` (default) reads the outcome once (one device-to-host
+    the tiles. ``input_check="tiles"`` launches no scan (it saves reading x and dy once
+    more): a NaN or infinite element of x or dy makes the sum of every tile it reaches
+    non-finite (NaN and infinities survive every product and sum, and 0 times an
+    infinity is NaN), so exactly those tiles (for ``x[t, k]`` the tiles holding column k,
+    for ``dy[t, n]`` those holding row n) are not written and the call raises
+    ``NonFiniteUpdateError`` naming them; the other tiles take the step. Nothing
+    non-finite is stored either way; what "tiles" gives up is skipping the whole step.
+    It cannot be combined with ``TileConfig(in_kernel_check=True)``, which is a scan.
+    ``report="raise"`` (default) reads the outcome once (one device-to-host
     synchronization) and raises; ``report="defer"`` does not synchronize at all and
     returns an :class:`UpdateReport`, whose ``check()`` raises the same errors later
     (the writes were already decided on the device: only the telling is deferred).
@@ -569,16 +587,21 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     first. Non-finite inputs give non-finite sums.
     """
     check_report(report)
+    check_input_check(input_check)
     check_update_inputs(x, dy, weight, state, rule, square_sums=square_sums, grad_scale=grad_scale)
     captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
+    scan = input_check == "step"
+    if not scan and epilogue.config.in_kernel_check:
+        raise ValueError('input_check="tiles" launches no scan of x and dy, and TileConfig(in_kernel_check=True) '
+                         "is one (inside the kernel): pass one or the other")
     if square_sums is not None:
         check_square_sums(square_sums, weight.shape, epilogue.config, weight.device)
     if not oracle:
         epilogue.check_fused(x, dy, weight)
     with on_device(weight.device), quiet_non_finite():
         if weight.numel():  # an empty weight takes no step: nothing to check, a clean report
-            if oracle or not epilogue.config.in_kernel_check:
+            if scan and (oracle or not epilogue.config.in_kernel_check):
                 launch_finite_check(epilogue.status, x, dy)
             if oracle:
                 if square_sums is not None:  # the tile loop's sums, as weight_gradient_square_sums on any backend
@@ -586,7 +609,7 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
                 epilogue.apply(launch_weight_gradient(x, dy, epilogue.config), weight)
             else:
                 epilogue.fused(x, dy, weight, square_sums)
-        return epilogue.report(report, input_names=("x", "dy"), captured=captured)
+        return epilogue.report(report, input_names=("x", "dy") if scan else (), captured=captured)
 
 
 def apply_rule(grad, weight, state, rule, step, *, config=None, rounding=None, seed=0, grad_scale=1.0,

@@ -20,7 +20,17 @@ def non_finite_input_error(names, counts) -> NonFiniteInputError:
     return NonFiniteInputError(f"non-finite inputs: NaN or infinite elements in {per_input}; nothing was updated")
 
 
-def _raise_if_flagged(flags: torch.Tensor, grid, config, N: int, K: int):
+# Said with a tile error when the step's inputs were not scanned (input_check="tiles"):
+# a non-finite input element then shows up as the non-finite sums of the tiles it reaches.
+UNSCANNED = (" x and dy were not scanned (input_check=\"tiles\"): a non-finite input element fails every tile "
+             "whose sum it reaches.")
+
+
+def _tile_note(input_names) -> str:
+    return "" if input_names else UNSCANNED
+
+
+def _raise_if_flagged(flags: torch.Tensor, grid, config, N: int, K: int, note: str = ""):
     bad = torch.nonzero(flags).flatten().tolist()
     if not bad:
         return
@@ -40,7 +50,7 @@ def _raise_if_flagged(flags: torch.Tensor, grid, config, N: int, K: int):
     raise NonFiniteUpdateError(
         f"{len(tiles)} of {grid[0] * grid[1] * split} weight tiles had a non-finite gradient, weight or state "
         f"after the rule (first: rows {r0}:{r1}, columns {c0}:{c1}). Those tiles were left unchanged; "
-        "the other tiles took the step.", tiles)
+        "the other tiles took the step." + note, tiles)
 
 
 class UpdateReport:
@@ -58,7 +68,8 @@ class UpdateReport:
     ``status`` and ``flags`` are the device tensors the kernels wrote (see
     ``forge_kernels.ops.finite_check`` for the layout); keep them unmodified.
     ``input_names`` names the checked inputs in status order (``("x", "dy")`` or
-    ``("grad",)``), so that the error says which input held how many non-finite elements.
+    ``("grad",)``), so that the error says which input held how many non-finite elements;
+    ``()`` when no input was scanned (``input_check="tiles"``), which a tile error then says.
     """
 
     def __init__(self, status, flags, input_names, grid, config, shape, *, copy_async):
@@ -92,7 +103,7 @@ class UpdateReport:
         return NonFiniteUpdateError(
             f"{words[BAD_TILES]} of {total} weight tiles had a non-finite gradient, weight or state after the rule "
             "(not named: a later replay has reused the tile flags). Those tiles were left unchanged; the other "
-            "tiles took the step.", [])
+            "tiles took the step." + _tile_note(self._input_names), [])
 
     def check(self) -> None:
         """Return if the update was clean; otherwise raise ``NonFiniteInputError``
@@ -105,6 +116,7 @@ class UpdateReport:
             words = self.status.tolist()  # CPU: no stream to wait for; GPU without a copy: one sync
         error = self.error_from(words)
         if isinstance(error, NonFiniteUpdateError):
-            _raise_if_flagged(self.flags, self._grid, self._config, *self._shape)  # the same error, tiles named
+            # the same error, tiles named
+            _raise_if_flagged(self.flags, self._grid, self._config, *self._shape, note=_tile_note(self._input_names))
         if error is not None:
             raise error

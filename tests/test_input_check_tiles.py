@@ -1,0 +1,156 @@
+"""``input_check="tiles"``: no scan of x and dy; a non-finite element fails exactly the
+tiles whose sums it reaches, which keep their bits, and every other tile takes the
+clean step's bits."""
+
+import math
+
+import pytest
+import torch
+
+import forge_kernels as fk
+from forge_verify.numerics.bits import int_view
+
+N, K, T = 40, 40, 24
+CONFIGS = {
+    "whole": fk.TileConfig(block_n=16, block_k=16, block_t=16),
+    # 64-column tiles whose epilogue runs on 16-column parts: a part is what is skipped.
+    "split": fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4),
+    "row-split": fk.TileConfig(block_n=64, block_k=16, block_t=16, epilogue_split=4, epilogue_axis="rows"),
+}
+
+
+def _parts(config):
+    """Every part the config's epilogue verdicts cover, as (r0, r1, c0, c1)."""
+    height, width = config.part_shape
+    return [(r, min(N, r + height), c, min(K, c + width))
+            for r in range(0, N, height) for c in range(0, K, width)]
+
+
+def _inputs(device, dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(T, K, generator=gen).to(device, dtype)
+    dy = torch.randn(T, N, generator=gen).to(device, dtype)
+    return x, dy
+
+
+def _fresh(device, weight_dtype, state_format):
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(N, K, generator=gen).to(device, weight_dtype)
+    rule = fk.AdamW(lr=1e-2, weight_decay=0.1)
+    return w, rule.init_state(w, state_format=state_format), rule
+
+
+def _bits(w, state):
+    return [int_view(w)] + [int_view(v) for _, v in sorted(state.items())]
+
+
+@pytest.mark.parametrize("regime", ["fp32", "bf16-sr"])
+@pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("where, value", [("x", math.nan), ("dy", math.nan), ("x", math.inf), ("dy", -math.inf)])
+def test_non_finite_input_fails_exactly_the_tiles_it_reaches(device, regime, oracle, config, where, value):
+    """x[t, k] fails the parts holding column k, dy[t, n] those holding row n; an
+    infinity meets a zero row of the other operand, so its products are 0 * inf = NaN."""
+    config = CONFIGS[config]
+    dtype = torch.bfloat16 if regime == "bf16-sr" else torch.float32
+    x, dy = _inputs(device, dtype)
+    t, col, row = 5, 21, 19
+    (dy if where == "x" else x)[t] = 0  # in the clean step too: only the one element differs
+    clean_w, clean_state, rule = _fresh(device, dtype, "bf16" if dtype == torch.bfloat16 else "fp32")
+    fk.fused_weight_update(x, dy, clean_w, clean_state, rule, 1, config=config, oracle=oracle)
+    if where == "x":
+        x[t, col] = value
+    else:
+        dy[t, row] = value
+    w, state, _ = _fresh(device, dtype, "bf16" if dtype == torch.bfloat16 else "fp32")
+    before = _bits(w, state)
+    with pytest.raises(fk.NonFiniteUpdateError, match="x and dy were not scanned") as info:
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, oracle=oracle, input_check="tiles")
+    reached = [p for p in _parts(config) if (p[2] <= col < p[3] if where == "x" else p[0] <= row < p[1])]
+    assert sorted(info.value.tiles) == reached
+    failed = torch.zeros(N, K, dtype=torch.bool, device=device)
+    for r0, r1, c0, c1 in reached:
+        failed[r0:r1, c0:c1] = True
+    for got, old, new in zip(_bits(w, state), before, _bits(clean_w, clean_state)):
+        assert torch.equal(got[failed], old[failed]), "a failed tile was written"
+        assert torch.equal(got[~failed], new[~failed]), "a tile the element does not reach lost the clean step's bits"
+    assert torch.isfinite(w).all() and all(torch.isfinite(v).all() for v in state.values())
+
+
+@pytest.mark.parametrize("report", ["raise", "defer"])
+def test_clean_inputs_step_as_the_scanned_step(device, report):
+    x, dy = _inputs(device, torch.float32)
+    config = CONFIGS["split"]
+    scanned, scanned_state, rule = _fresh(device, torch.float32, "fp32")
+    fk.fused_weight_update(x, dy, scanned, scanned_state, rule, 1, config=config)
+    w, state, _ = _fresh(device, torch.float32, "fp32")
+    outcome = fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, report=report, input_check="tiles")
+    if report == "defer":
+        outcome.check()
+    assert all(torch.equal(a, b) for a, b in zip(_bits(w, state), _bits(scanned, scanned_state)))
+
+
+def test_deferred_report_names_the_tiles(device):
+    x, dy = _inputs(device, torch.float32)
+    x[2, 3] = math.nan
+    w, state, rule = _fresh(device, torch.float32, "fp32")
+    outcome = fk.fused_weight_update(x, dy, w, state, rule, 1, config=CONFIGS["whole"], report="defer",
+                                     input_check="tiles")
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"3 of 9 weight tiles .* x and dy were not scanned") as info:
+        outcome.check()
+    assert sorted(info.value.tiles) == [(0, 16, 0, 16), (16, 32, 0, 16), (32, 40, 0, 16)]
+
+
+def test_scanned_step_still_skips_everything(device):
+    """The default is unchanged: the scan finds the element and nothing is written."""
+    x, dy = _inputs(device, torch.float32)
+    x[2, 3] = math.nan
+    w, state, rule = _fresh(device, torch.float32, "fp32")
+    before = _bits(w, state)
+    with pytest.raises(fk.NonFiniteInputError, match="x: 1, dy: 0; nothing was updated"):
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=CONFIGS["whole"])
+    assert all(torch.equal(a, b) for a, b in zip(_bits(w, state), before))
+
+
+def test_bad_input_check_is_refused(device):
+    x, dy = _inputs(device, torch.float32)
+    w, state, rule = _fresh(device, torch.float32, "fp32")
+    before = _bits(w, state)
+    with pytest.raises(ValueError, match=r"input_check must be one of \('step', 'tiles'\), got 'none'"):
+        fk.fused_weight_update(x, dy, w, state, rule, 1, input_check="none")
+    with pytest.raises(ValueError, match="input_check must be one of"):
+        fk.ForgeLinear(K, N, rule=rule, input_check=False)
+    with pytest.raises(ValueError, match="input_check must be one of"):
+        fk.fuse(torch.nn.Sequential(torch.nn.Linear(K, N)), rule, input_check="scan")
+    assert all(torch.equal(a, b) for a, b in zip(_bits(w, state), before))
+
+
+def test_tiles_and_the_in_kernel_scan_are_refused_together(device):
+    x, dy = _inputs(device, torch.bfloat16)
+    w, state, rule = _fresh(device, torch.float32, "fp32")
+    config = fk.TileConfig(block_n=128, block_k=128, block_t=64, num_warps=8, num_stages=4, epilogue_split=8,
+                           kernel="hopper", epilogue_axis="rows", epilogue_stages=1, in_kernel_check=True)
+    before = _bits(w, state)
+    with pytest.raises(ValueError, match=r'input_check="tiles" launches no scan .* pass one or the other'):
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, input_check="tiles")
+    assert all(torch.equal(a, b) for a, b in zip(_bits(w, state), before))
+
+
+def test_fused_model_stops_the_layer_a_non_finite_input_reaches(device):
+    """Through fk.fuse: the backward raises naming the layer, the layer's other tiles
+    stepped, it is stopped until a checkpoint or forge_accept_partial_step(), and no
+    weight or state holds a non-finite value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.ReLU(), torch.nn.Linear(N, 8)).to(device)
+    fk.fuse(model, fk.AdamW(lr=1e-2), config=CONFIGS["whole"], input_check="tiles")
+    first = model[0]
+    assert first.input_check == "tiles" and model[2].input_check == "tiles"
+    x = torch.randn(T, K, device=device)
+    x[4, 30] = math.nan
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"fused layer '2', step 1: .* not scanned"):
+        model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="stopped at step 1"):
+        model(torch.randn(T, K, device=device)).sum().backward()
+    for layer in (first, model[2]):
+        assert torch.isfinite(layer.weight).all()
+        assert all(torch.isfinite(v).all() for v in layer.forge_state.values())
