@@ -80,6 +80,61 @@ def slice_invariant(problem, rule, config_whole, config_slice, rows, cols, devic
     _assert_same_update((block_weight, block_state), (whole_weight[r0:r1, c0:c1], expected), rule, what)
 
 
+def _parts(config, shape):
+    """Every part the config's epilogue verdicts cover, as (r0, r1, c0, c1)."""
+    (N, K), (height, width) = shape, config.part_shape
+    return [(r, min(N, r + height), c, min(K, c + width)) for r in range(0, N, height) for c in range(0, K, width)]
+
+
+def _element_mask(tensor, mask):
+    """``mask`` (per weight element) for a state tensor: itself, or per q8 block for the
+    block exponents (a part holds whole blocks: ``strategies.fit_config``)."""
+    return mask if tensor.shape == mask.shape else mask[:, ::fk.q8.BLOCK]
+
+
+def non_finite_input_fails_reached_tiles(problem, rule, config, device, bad, *, regime=FP32, oracle=False):
+    """``input_check="tiles"`` with one NaN or infinite element ``bad`` = (input, token,
+    index, value; and whether the other operand's row at that token is zero, so that its
+    products are 0 * inf = NaN): the step raises ``NonFiniteUpdateError`` naming exactly
+    the parts whose columns (an element of x) or rows (of dy) hold ``index``; those keep
+    their weight and state bits, every other part has the bits of the same step on the
+    clean inputs, and nothing non-finite is stored (proofs/input_check_tiles.md)."""
+    where, t, index, value, zero_row = bad
+    inputs = make_inputs(problem, device, regime)
+    x, dy = (v.clone() for v in inputs.batches[0])
+    if zero_row:
+        (dy if where == "x" else x)[t] = 0
+    clean_weight, clean_state = run_rule(Inputs(inputs.weight, [(x, dy)]), rule, oracle=oracle, config=config,
+                                         regime=regime)
+    (x if where == "x" else dy)[t, index] = value
+    weight = inputs.weight.clone()
+    state = rule.init_state(weight, state_format=regime.state_format)
+    before = [weight.clone()] + [state[k].clone() for k in sorted(state)]
+    what = (f"{where}[{t}, {index}] = {value}{' (other row zero)' if zero_row else ''}, {config}, oracle={oracle} "
+            f"[{rule!r}; {problem.describe()}; {regime.describe()}]")
+    try:
+        fk.fused_weight_update(x, dy, weight, state, rule, 1, oracle=oracle, config=config, rounding=regime.rounding,
+                               seed=regime.seed, input_check="tiles")
+    except fk.NonFiniteUpdateError as error:
+        named = sorted(error.tiles)
+    else:
+        raise AssertionError(f"{what}: the step raised nothing")
+    axis = 2 if where == "x" else 0
+    reached = [part for part in _parts(config, weight.shape) if part[axis] <= index < part[axis + 1]]
+    assert named == reached, f"{what}: named {named}, reached {reached}"
+    failed = torch.zeros(weight.shape, dtype=torch.bool, device=weight.device)
+    for r0, r1, c0, c1 in reached:
+        failed[r0:r1, c0:c1] = True
+    after = [weight] + [state[k] for k in sorted(state)]
+    clean = [clean_weight] + [clean_state[k] for k in sorted(clean_state)]
+    for name, got, old, new in zip(["weight"] + sorted(state), after, before, clean):
+        mask = _element_mask(got, failed)
+        assert_bitwise_equal(got[mask], old[mask], f"{what}: {name} in the failed parts")
+        assert_bitwise_equal(got[~mask], new[~mask], f"{what}: {name} outside them, against the clean step")
+    for name, values in [("weight", weight)] + list(decoded_state(rule, state).items()):
+        assert torch.isfinite(values).all(), f"{what}: non-finite {name} stored"
+
+
 def enclosed_run(inputs, rule, config, regime, backend):
     """The kernel's run on ``inputs`` and, alongside it, the float64 reference and the
     enclosure of the exact steps: (weight, state as stored, reference weight, reference
