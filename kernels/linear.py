@@ -192,8 +192,12 @@ class ForgeLinear(nn.Linear):
     that scan, a read of x and dY, and leaves such an element to the tiles whose sums it
     makes non-finite: they are not written, the others step, the step raises
     ``NonFiniteUpdateError`` and the layer stops as for any failed tile
-    (``fused_weight_update``'s ``input_check``). Steps on a materialized gradient (the
-    data-parallel bucket path) always scan it.
+    (``fused_weight_update``'s ``input_check``). It applies to the fused steps of plain
+    backwards, ``fk.Trainer`` without clipping or with previous-norm clipping by tile
+    sums, and ``fk.CapturedStep`` likewise (read when the graph is recorded); steps that
+    scan anyway keep their scan: exact clipping's norm pass, a materialized gradient
+    (``gradients="materialized"``, ``norm="gradient"``, the data-parallel bucket path).
+    ``fk.Trainer`` refuses it with fused gradient accumulation.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, rule, oracle=False, config=None,
@@ -247,6 +251,9 @@ class ForgeLinear(nn.Linear):
         self.rule, self.oracle, self.config, self.rounding = rule, bool(oracle), config, rounding
         self.report = check_report(report)
         self.input_check = check_input_check(input_check)
+        if input_check == "tiles" and config is not None and config.in_kernel_check:
+            raise ValueError('input_check="tiles" launches no scan of x and dy, and TileConfig(in_kernel_check=True) '
+                             "is one (inside the kernel): pass one or the other")
         self.weight_slice = weight_slice if weight_slice is not None else (
             weight_slice_of(self.weight) if is_dtensor(self.weight) else None)
         self.forge_name = name or "ForgeLinear"

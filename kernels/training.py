@@ -804,6 +804,12 @@ class Trainer:
 
     def _check_accumulates_in_state(self):
         for layer in self.layers:
+            if layer.input_check == "tiles":
+                raise ValueError(
+                    f"fused layer {layer.forge_name!r}: gradient accumulation with gradients='fused' adds each "
+                    "micro-batch into the state, and with input_check='tiles' a non-finite input in one micro-batch "
+                    "would leave only the parts it does not reach holding that micro-batch: fuse the layers with "
+                    "input_check='step' to accumulate")
             rule = layer.rule
             ok = isinstance(rule, SGD) and rule.slots == ("momentum_buffer",) and not rule.nesterov
             if not ok or self.max_norm is not None or rule.state_format(layer.forge_state) != "fp32":

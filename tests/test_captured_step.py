@@ -122,30 +122,50 @@ def test_a_non_finite_replay_stops_the_capture_and_writes_nothing():
 
 
 @needs_cuda
-def test_unscanned_replay_fails_the_reached_tiles_and_stops_the_layers():
-    """With input_check="tiles" a captured step launches no scan: a NaN in the input
-    reaches every tile of the second layer (its x row is NaN) and the first layer's tiles
-    holding column 5; the replay raises NonFiniteUpdateError, stops the capture, and no
-    weight or state holds a non-finite value; the unscanned steps before it were the
-    scanned steps' bits."""
-    (scanned, unscanned), batch = _models("cuda", "fp32")
-    for layer in (unscanned[0], unscanned[2]):
-        layer.input_check = "tiles"
+def test_unscanned_replay_fails_the_reached_tiles_and_stops_the_layer():
+    """With input_check="tiles" a captured step launches no scan. One fused layer whose
+    loss is a sum (its dY finite): three clean replays give the scanned steps' bits; a NaN
+    at input column 5 fails the parts holding it (columns 0:32 of the 32 x 32 tiles), the
+    replay raises NonFiniteUpdateError and stops the capture and the layer at step 4, the
+    other parts took the scanned step's bits, and nothing non-finite is stored."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(48, 40, bias=False)).to("cuda")
+    models = [fk.fuse(copy.deepcopy(base), fk.AdamW(lr=1e-2), config=CONFIG, seed=7, report="defer",
+                      input_check=check) for check in ("step", "tiles")]
     inputs = [torch.empty(24, 48, device="cuda") for _ in range(2)]
-    steps = [_captured(model, static_x) for model, static_x in zip((scanned, unscanned), inputs)]
-    for _ in range(3):
-        x = batch()
-        for static_x, step in zip(inputs, steps):
-            static_x.copy_(x)
-            step()
-    _assert_same_models(unscanned, scanned, "three clean steps")
+
+    def captured(model, static_x):
+        def step_fn():
+            loss = model(static_x).sum()
+            loss.backward()
+            return loss
+        return fk.CapturedStep(model, step_fn)
+    steps = [captured(model, static_x) for model, static_x in zip(models, inputs)]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for index in range(4):
+        x = torch.randn(24, 48, generator=gen).to("cuda")
+        inputs[0].copy_(x)
+        steps[0]()
+        if index < 3:
+            inputs[1].copy_(x)
+            steps[1]()
+            _assert_same_models(models[1], models[0], f"clean step {index + 1}")
+            kept = {name: value.clone() for name, value in [("weight", models[1][0].weight.detach())]
+                    + sorted(models[1][0].forge_state.items())}
+    inputs[1].copy_(x)
     inputs[1][3, 5] = float("nan")
     with pytest.raises(fk.NonFiniteUpdateError, match=r"(?s)step 4 \(CapturedStep\).*not scanned"):
         steps[1]()
     assert not steps[1].active
-    for name, tensor in unscanned.state_dict().items():
-        if tensor.is_floating_point():
-            assert torch.isfinite(tensor).all(), name
+    layer, scanned = models[1][0], models[0][0]
+    assert int(layer.forge_step) == 3 and layer._failed_step == 4
+    reached = torch.zeros(40, 48, dtype=torch.bool, device="cuda")
+    reached[:, 0:32] = True
+    for name, got in [("weight", layer.weight.detach())] + sorted(layer.forge_state.items()):
+        clean = scanned.weight.detach() if name == "weight" else scanned.forge_state[name]
+        assert_bitwise_equal(got[reached], kept[name][reached], f"{name} in the reached parts")
+        assert_bitwise_equal(got[~reached], clean[~reached], f"{name} outside them")
+        assert torch.isfinite(got).all(), name
 
 
 @needs_cuda

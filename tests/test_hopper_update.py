@@ -415,30 +415,37 @@ def test_hopper_kernel_counts_the_non_finite_inputs_the_separate_check_counts(co
 @pytest.mark.parametrize("config", [CONFIGS[0], SPLIT, ROWS, IN_FLIGHT, SIXTEEN_WARPS_ROWS], ids=lambda c: _name(c))
 @pytest.mark.parametrize("where", ["x", "dy"])
 def test_unscanned_non_finite_inputs_fail_the_portable_kernels_tiles(config, where):
-    """input_check="tiles": no scan, so an infinity and a NaN in x (or dy) reach the
-    tiles holding their columns (rows) through the wgmma sums, 0 * inf included (the
-    infinity's token row of the other operand is zero); the Hopper kernel names the
-    portable kernel's parts and leaves its bits, with nothing non-finite stored."""
+    """input_check="tiles": no scan, so a NaN and an infinity in x (or dy) reach the parts
+    holding their columns (rows) through the wgmma sums, 0 * inf included (the
+    infinity's token row of the other operand is zero). The Hopper kernel names exactly
+    those parts (the portable kernel's parts: ``part_shape`` over the weight), leaves
+    their bits, gives every other part its own scanned step's bits on the clean inputs and
+    stores nothing non-finite."""
     rule = fk.AdamW()
     x, dy, w = _inputs(200, 1024, 768, torch.float32)
-    if where == "x":
-        x[77, 300], x[150, 5] = float("nan"), float("inf")
-        dy[150] = 0
-    else:
-        dy[77, 300], dy[150, 5] = float("nan"), float("-inf")
-        x[150] = 0
+    (dy if where == "x" else x)[150] = 0
     state = _state(rule, w, "fp32")
-    found = []
-    for kernel_config in (config, _portable(config)):
-        w_k, state_k = w.clone(), {name: value.clone() for name, value in state.items()}
-        with pytest.raises(fk.NonFiniteUpdateError, match="not scanned") as raised:
-            fk.fused_weight_update(x, dy, w_k, state_k, rule, 1, config=kernel_config, input_check="tiles")
-        assert torch.isfinite(w_k).all() and all(torch.isfinite(v).all() for v in state_k.values())
-        found.append((sorted(raised.value.tiles), w_k, state_k))
-    assert found[0][0] == found[1][0]
+    clean_w, clean_state = w.clone(), {name: value.clone() for name, value in state.items()}
+    fk.fused_weight_update(x, dy, clean_w, clean_state, rule, 1, config=config)
+    bad = x if where == "x" else dy
+    bad[77, 300], bad[150, 5] = float("nan"), float("inf")
+    w_k, state_k = w.clone(), {name: value.clone() for name, value in state.items()}
+    with pytest.raises(fk.NonFiniteUpdateError, match="not scanned") as raised:
+        fk.fused_weight_update(x, dy, w_k, state_k, rule, 1, config=config, input_check="tiles")
+    (N, K), (height, width) = w.shape, config.part_shape
     axis = 2 if where == "x" else 0  # a part's (first, end) columns for x, rows for dy
-    assert found[0][0] and all(any(part[axis] <= i < part[axis + 1] for i in (300, 5)) for part in found[0][0])
-    _assert_same(found[0][1:], found[1][1:], f"after unscanned non-finite {where}")
+    reached = [part for part in ((r, min(N, r + height), c, min(K, c + width))
+                                 for r in range(0, N, height) for c in range(0, K, width))
+               if any(part[axis] <= i < part[axis + 1] for i in (300, 5))]
+    assert sorted(raised.value.tiles) == reached
+    failed = torch.zeros(N, K, dtype=torch.bool, device=w.device)
+    for r0, r1, c0, c1 in reached:
+        failed[r0:r1, c0:c1] = True
+    for name, got, old, new in [("weight", w_k, w, clean_w)] + [(n, state_k[n], state[n], clean_state[n])
+                                                                for n in sorted(state)]:
+        assert_bitwise_equal(got[failed], old[failed], f"{name}: the reached parts")
+        assert_bitwise_equal(got[~failed], new[~failed], f"{name}: the other parts, against the clean step")
+        assert torch.isfinite(got).all(), name
 
 
 @hopper

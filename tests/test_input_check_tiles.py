@@ -44,6 +44,7 @@ def _bits(w, state):
     return [int_view(w)] + [int_view(v) for _, v in sorted(state.items())]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("regime", ["fp32", "bf16-sr"])
 @pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -77,6 +78,7 @@ def test_non_finite_input_fails_exactly_the_tiles_it_reaches(device, regime, ora
     assert torch.isfinite(w).all() and all(torch.isfinite(v).all() for v in state.values())
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("report", ["raise", "defer"])
 def test_clean_inputs_step_as_the_scanned_step(device, report):
     x, dy = _inputs(device, torch.float32)
@@ -136,21 +138,57 @@ def test_tiles_and_the_in_kernel_scan_are_refused_together(device):
     assert all(torch.equal(a, b) for a, b in zip(_bits(w, state), before))
 
 
-def test_fused_model_stops_the_layer_a_non_finite_input_reaches(device):
-    """Through fk.fuse: the backward raises naming the layer, the layer's other tiles
-    stepped, it is stopped until a checkpoint or forge_accept_partial_step(), and no
-    weight or state holds a non-finite value."""
+def _fused_layer(device, input_check):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.ReLU(), torch.nn.Linear(N, 8)).to(device)
-    fk.fuse(model, fk.AdamW(lr=1e-2), config=CONFIGS["whole"], input_check="tiles")
-    first = model[0]
-    assert first.input_check == "tiles" and model[2].input_check == "tiles"
+    model = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)).to(device)
+    return fk.fuse(model, fk.AdamW(lr=1e-2), config=CONFIGS["whole"], input_check=input_check)
+
+
+def test_fused_layer_steps_the_parts_a_non_finite_input_does_not_reach(device):
+    """Through fk.fuse, with a loss whose dY is finite (a sum): the backward raises naming
+    the layer and the parts holding the NaN's column; the other parts took the scanned
+    clean step's bits; the layer is stopped (its step not counted) until
+    forge_accept_partial_step(), and nothing non-finite is stored."""
+    scanned, unscanned = _fused_layer(device, "step"), _fused_layer(device, "tiles")
+    layer = unscanned[0]
+    assert layer.input_check == "tiles" and scanned[0].input_check == "step"
     x = torch.randn(T, K, device=device)
+    scanned(x).sum().backward()
     x[4, 30] = math.nan
-    with pytest.raises(fk.NonFiniteUpdateError, match=r"fused layer '2', step 1: .* not scanned"):
-        model(x).sum().backward()
+    with pytest.raises(fk.NonFiniteUpdateError, match=r"fused layer '0', step 1: 3 of 9 .* not scanned") as info:
+        unscanned(x).sum().backward()
+    assert sorted(info.value.tiles) == [(0, 16, 16, 32), (16, 32, 16, 32), (32, 40, 16, 32)]
+    reached = torch.zeros(N, K, dtype=torch.bool, device=device)
+    reached[:, 16:32] = True
+    before = _fused_layer(device, "tiles")[0]
+    for name, got in [("weight", layer.weight)] + sorted(layer.forge_state.items()):
+        clean = scanned[0].weight if name == "weight" else scanned[0].forge_state[name]
+        old = before.weight if name == "weight" else before.forge_state[name]
+        assert torch.equal(int_view(got)[reached], int_view(old)[reached]), name
+        assert torch.equal(int_view(got)[~reached], int_view(clean.detach())[~reached]), name
+        assert torch.isfinite(got).all(), name
+    assert int(layer.forge_step) == 0
     with pytest.raises(RuntimeError, match="stopped at step 1"):
-        model(torch.randn(T, K, device=device)).sum().backward()
-    for layer in (first, model[2]):
-        assert torch.isfinite(layer.weight).all()
-        assert all(torch.isfinite(v).all() for v in layer.forge_state.values())
+        unscanned(torch.randn(T, K, device=device)).sum().backward()
+    layer.forge_accept_partial_step()
+    assert int(layer.forge_step) == 1
+    unscanned(torch.randn(T, K, device=device)).sum().backward()
+    assert int(layer.forge_step) == 2
+
+
+def test_tiles_and_an_in_kernel_scan_config_are_refused_at_construction(device):
+    config = fk.TileConfig(block_n=128, block_k=128, block_t=64, num_warps=8, num_stages=4, epilogue_split=8,
+                           kernel="hopper", epilogue_axis="rows", epilogue_stages=1, in_kernel_check=True)
+    with pytest.raises(ValueError, match=r'input_check="tiles" launches no scan .* pass one or the other'):
+        fk.ForgeLinear(K, N, rule=fk.AdamW(), config=config, input_check="tiles")
+
+
+def test_trainer_refuses_tiles_with_fused_accumulation(device):
+    model = fk.fuse(torch.nn.Sequential(torch.nn.Linear(K, N)).to(device), fk.SGD(lr=0.1, momentum=0.9),
+                    config=CONFIGS["whole"], input_check="tiles")
+    trainer = fk.Trainer(model, torch.optim.SGD(fk.unfused_parameters(model), lr=0.1))
+    x = torch.randn(T, K, device=device)
+    before = int_view(model[0].weight).clone()
+    with pytest.raises(ValueError, match="input_check='tiles' a non-finite input in one micro-batch"):
+        trainer.step([lambda: model(x).square().mean()] * 2)
+    assert torch.equal(int_view(model[0].weight), before)
