@@ -15,6 +15,7 @@ import torch
 
 import forge_kernels as fk
 from forge_verify import assert_bitwise_equal
+from forge_verify.checks.claims import epilogue_parts
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                             reason="the hopper kernel runs on compute capability 9.x GPUs only")
@@ -432,13 +433,11 @@ def test_unscanned_non_finite_inputs_fail_the_portable_kernels_tiles(config, whe
     w_k, state_k = w.clone(), {name: value.clone() for name, value in state.items()}
     with pytest.raises(fk.NonFiniteUpdateError, match="not scanned") as raised:
         fk.fused_weight_update(x, dy, w_k, state_k, rule, 1, config=config, input_check="tiles")
-    (N, K), (height, width) = w.shape, config.part_shape
     axis = 2 if where == "x" else 0  # a part's (first, end) columns for x, rows for dy
-    reached = [part for part in ((r, min(N, r + height), c, min(K, c + width))
-                                 for r in range(0, N, height) for c in range(0, K, width))
+    reached = [part for part in epilogue_parts(config, w.shape)
                if any(part[axis] <= i < part[axis + 1] for i in (300, 5))]
     assert sorted(raised.value.tiles) == reached
-    failed = torch.zeros(N, K, dtype=torch.bool, device=w.device)
+    failed = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
     for r0, r1, c0, c1 in reached:
         failed[r0:r1, c0:c1] = True
     for name, got, old, new in [("weight", w_k, w, clean_w)] + [(n, state_k[n], state[n], clean_state[n])

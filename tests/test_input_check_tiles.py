@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import forge_kernels as fk
+from forge_verify.checks.claims import epilogue_parts
 from forge_verify.numerics.bits import int_view
 
 N, K, T = 40, 40, 24
@@ -17,13 +18,6 @@ CONFIGS = {
     "split": fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4),
     "row-split": fk.TileConfig(block_n=64, block_k=16, block_t=16, epilogue_split=4, epilogue_axis="rows"),
 }
-
-
-def _parts(config):
-    """Every part the config's epilogue verdicts cover, as (r0, r1, c0, c1)."""
-    height, width = config.part_shape
-    return [(r, min(N, r + height), c, min(K, c + width))
-            for r in range(0, N, height) for c in range(0, K, width)]
 
 
 def _inputs(device, dtype):
@@ -67,7 +61,8 @@ def test_non_finite_input_fails_exactly_the_tiles_it_reaches(device, regime, ora
     before = _bits(w, state)
     with pytest.raises(fk.NonFiniteUpdateError, match="x and dy were not scanned") as info:
         fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, oracle=oracle, input_check="tiles")
-    reached = [p for p in _parts(config) if (p[2] <= col < p[3] if where == "x" else p[0] <= row < p[1])]
+    axis, index = (2, col) if where == "x" else (0, row)  # a part's (first, end) columns, or rows
+    reached = [p for p in epilogue_parts(config, (N, K)) if p[axis] <= index < p[axis + 1]]
     assert sorted(info.value.tiles) == reached
     failed = torch.zeros(N, K, dtype=torch.bool, device=device)
     for r0, r1, c0, c1 in reached:

@@ -80,8 +80,9 @@ def slice_invariant(problem, rule, config_whole, config_slice, rows, cols, devic
     _assert_same_update((block_weight, block_state), (whole_weight[r0:r1, c0:c1], expected), rule, what)
 
 
-def _parts(config, shape):
-    """Every part the config's epilogue verdicts cover, as (r0, r1, c0, c1)."""
+def epilogue_parts(config, shape):
+    """Every part of an (N, K) weight that the config's epilogue verdicts cover (the
+    tiles, or their column or row slices), as (r0, r1, c0, c1) in row-major order."""
     (N, K), (height, width) = shape, config.part_shape
     return [(r, min(N, r + height), c, min(K, c + width)) for r in range(0, N, height) for c in range(0, K, width)]
 
@@ -120,7 +121,7 @@ def non_finite_input_fails_reached_tiles(problem, rule, config, device, bad, *, 
     else:
         raise AssertionError(f"{what}: the step raised nothing")
     axis = 2 if where == "x" else 0
-    reached = [part for part in _parts(config, weight.shape) if part[axis] <= index < part[axis + 1]]
+    reached = [part for part in epilogue_parts(config, weight.shape) if part[axis] <= index < part[axis + 1]]
     assert named == reached, f"{what}: named {named}, reached {reached}"
     failed = torch.zeros(weight.shape, dtype=torch.bool, device=weight.device)
     for r0, r1, c0, c1 in reached:
