@@ -250,10 +250,7 @@ class ForgeLinear(nn.Linear):
             raise ValueError("a DTensor weight knows its place in the global weight; pass no weight_slice")
         self.rule, self.oracle, self.config, self.rounding = rule, bool(oracle), config, rounding
         self.report = check_report(report)
-        self.input_check = check_input_check(input_check)
-        if input_check == "tiles" and config is not None and config.in_kernel_check:
-            raise ValueError('input_check="tiles" launches no scan of x and dy, and TileConfig(in_kernel_check=True) '
-                             "is one (inside the kernel): pass one or the other")
+        self.input_check = check_input_check(input_check, config)
         self.weight_slice = weight_slice if weight_slice is not None else (
             weight_slice_of(self.weight) if is_dtensor(self.weight) else None)
         self.forge_name = name or "ForgeLinear"
