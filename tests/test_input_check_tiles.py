@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import forge_kernels as fk
-from forge_verify.checks.claims import epilogue_parts
+from forge_verify.checks import claims
+from forge_verify.checks.problems import FP32, Problem, Regime
 from forge_verify.numerics.bits import int_view
 
 N, K, T = 40, 40, 24
@@ -18,6 +19,9 @@ CONFIGS = {
     "split": fk.TileConfig(block_n=16, block_k=64, block_t=16, epilogue_split=4),
     "row-split": fk.TileConfig(block_n=64, block_k=16, block_t=16, epilogue_split=4, epilogue_axis="rows"),
 }
+# The split Hopper tile that scans its inputs itself, which "tiles" contradicts.
+IN_KERNEL_SCAN = fk.TileConfig(block_n=128, block_k=128, block_t=64, num_warps=8, num_stages=4, epilogue_split=8,
+                               kernel="hopper", epilogue_axis="rows", epilogue_stages=1, in_kernel_check=True)
 
 
 def _inputs(device, dtype):
@@ -38,39 +42,24 @@ def _bits(w, state):
     return [int_view(w)] + [int_view(v) for _, v in sorted(state.items())]
 
 
+REGIMES = {"fp32": FP32, "bf16-sr": Regime(weight=torch.bfloat16, state_format="bf16", rounding="stochastic", seed=1)}
+
+
 @pytest.mark.exactness
-@pytest.mark.parametrize("regime", ["fp32", "bf16-sr"])
+@pytest.mark.parametrize("regime", sorted(REGIMES))
 @pytest.mark.parametrize("oracle", [False, True], ids=["fused", "oracle"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("where, value", [("x", math.nan), ("dy", math.nan), ("x", math.inf), ("dy", -math.inf)])
-def test_non_finite_input_fails_exactly_the_tiles_it_reaches(device, regime, oracle, config, where, value):
-    """x[t, k] fails the parts holding column k, dy[t, n] those holding row n; an
-    infinity meets a zero row of the other operand, so its products are 0 * inf = NaN."""
-    config = CONFIGS[config]
+@pytest.mark.parametrize("where, index, value", [("x", 21, math.nan), ("dy", 19, math.nan), ("x", 21, math.inf),
+                                                 ("dy", 19, -math.inf)])
+def test_non_finite_input_fails_exactly_the_tiles_it_reaches(device, regime, oracle, config, where, index, value):
+    """The property's claim on fixed cases: x[5, 21] fails the parts holding column 21,
+    dy[5, 19] those holding row 19; the other operand's row 5 is zero, so an infinity's
+    products are 0 * inf = NaN."""
     dtype = torch.bfloat16 if regime == "bf16-sr" else torch.float32
-    x, dy = _inputs(device, dtype)
-    t, col, row = 5, 21, 19
-    (dy if where == "x" else x)[t] = 0  # in the clean step too: only the one element differs
-    clean_w, clean_state, rule = _fresh(device, dtype, "bf16" if dtype == torch.bfloat16 else "fp32")
-    fk.fused_weight_update(x, dy, clean_w, clean_state, rule, 1, config=config, oracle=oracle)
-    if where == "x":
-        x[t, col] = value
-    else:
-        dy[t, row] = value
-    w, state, _ = _fresh(device, dtype, "bf16" if dtype == torch.bfloat16 else "fp32")
-    before = _bits(w, state)
-    with pytest.raises(fk.NonFiniteUpdateError, match="x and dy were not scanned") as info:
-        fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, oracle=oracle, input_check="tiles")
-    axis, index = (2, col) if where == "x" else (0, row)  # a part's (first, end) columns, or rows
-    reached = [p for p in epilogue_parts(config, (N, K)) if p[axis] <= index < p[axis + 1]]
-    assert sorted(info.value.tiles) == reached
-    failed = torch.zeros(N, K, dtype=torch.bool, device=device)
-    for r0, r1, c0, c1 in reached:
-        failed[r0:r1, c0:c1] = True
-    for got, old, new in zip(_bits(w, state), before, _bits(clean_w, clean_state)):
-        assert torch.equal(got[failed], old[failed]), "a failed tile was written"
-        assert torch.equal(got[~failed], new[~failed]), "a tile the element does not reach lost the clean step's bits"
-    assert torch.isfinite(w).all() and all(torch.isfinite(v).all() for v in state.values())
+    problem = Problem(tokens=T, out_features=N, in_features=K, dtype=dtype, steps=1, seed=7)
+    claims.non_finite_input_fails_reached_tiles(problem, fk.AdamW(lr=1e-2, weight_decay=0.1), CONFIGS[config],
+                                                device, (where, 5, index, value, True), regime=REGIMES[regime],
+                                                oracle=oracle)
 
 
 @pytest.mark.exactness
@@ -125,11 +114,9 @@ def test_bad_input_check_is_refused(device):
 def test_tiles_and_the_in_kernel_scan_are_refused_together(device):
     x, dy = _inputs(device, torch.bfloat16)
     w, state, rule = _fresh(device, torch.float32, "fp32")
-    config = fk.TileConfig(block_n=128, block_k=128, block_t=64, num_warps=8, num_stages=4, epilogue_split=8,
-                           kernel="hopper", epilogue_axis="rows", epilogue_stages=1, in_kernel_check=True)
     before = _bits(w, state)
     with pytest.raises(ValueError, match=r'input_check="tiles" launches no scan .* pass one or the other'):
-        fk.fused_weight_update(x, dy, w, state, rule, 1, config=config, input_check="tiles")
+        fk.fused_weight_update(x, dy, w, state, rule, 1, config=IN_KERNEL_SCAN, input_check="tiles")
     assert all(torch.equal(a, b) for a, b in zip(_bits(w, state), before))
 
 
@@ -152,16 +139,12 @@ def test_fused_layer_steps_the_parts_a_non_finite_input_does_not_reach(device):
     x[4, 30] = math.nan
     with pytest.raises(fk.NonFiniteUpdateError, match=r"fused layer '0', step 1: 3 of 9 .* not scanned") as info:
         unscanned(x).sum().backward()
-    assert sorted(info.value.tiles) == [(0, 16, 16, 32), (16, 32, 16, 32), (32, 40, 16, 32)]
-    reached = torch.zeros(N, K, dtype=torch.bool, device=device)
-    reached[:, 16:32] = True
-    before = _fused_layer(device, "tiles")[0]
-    for name, got in [("weight", layer.weight)] + sorted(layer.forge_state.items()):
-        clean = scanned[0].weight if name == "weight" else scanned[0].forge_state[name]
-        old = before.weight if name == "weight" else before.forge_state[name]
-        assert torch.equal(int_view(got)[reached], int_view(old)[reached]), name
-        assert torch.equal(int_view(got)[~reached], int_view(clean.detach())[~reached]), name
-        assert torch.isfinite(got).all(), name
+    reached = [(0, 16, 16, 32), (16, 32, 16, 32), (32, 40, 16, 32)]
+    assert sorted(info.value.tiles) == reached
+    after, before, clean = ({"weight": m.weight.detach(), **m.forge_state}
+                            for m in (layer, _fused_layer(device, "tiles")[0], scanned[0]))
+    claims.assert_parts_kept(after, before, clean, reached, "fused layer, x[4, 30] = NaN")
+    assert all(torch.isfinite(v).all() for v in after.values())
     assert int(layer.forge_step) == 0
     with pytest.raises(RuntimeError, match="stopped at step 1"):
         unscanned(torch.randn(T, K, device=device)).sum().backward()
@@ -172,10 +155,8 @@ def test_fused_layer_steps_the_parts_a_non_finite_input_does_not_reach(device):
 
 
 def test_tiles_and_an_in_kernel_scan_config_are_refused_at_construction(device):
-    config = fk.TileConfig(block_n=128, block_k=128, block_t=64, num_warps=8, num_stages=4, epilogue_split=8,
-                           kernel="hopper", epilogue_axis="rows", epilogue_stages=1, in_kernel_check=True)
     with pytest.raises(ValueError, match=r'input_check="tiles" launches no scan .* pass one or the other'):
-        fk.ForgeLinear(K, N, rule=fk.AdamW(), config=config, input_check="tiles")
+        fk.ForgeLinear(K, N, rule=fk.AdamW(), config=IN_KERNEL_SCAN, input_check="tiles")
 
 
 def test_trainer_refuses_tiles_with_fused_accumulation(device):

@@ -93,6 +93,20 @@ def _element_mask(tensor, mask):
     return mask if tensor.shape == mask.shape else mask[:, ::fk.q8.BLOCK]
 
 
+def assert_parts_kept(after: dict, before: dict, clean: dict, parts, what: str):
+    """The weight and state tensors ``after`` a step that skipped ``parts`` ((r0, r1, c0,
+    c1) each) hold ``before``'s bits inside those parts and ``clean``'s (a step that
+    skipped none) outside them, tensor by tensor (dicts keyed alike)."""
+    weight = next(iter(after.values()))
+    skipped = torch.zeros(weight.shape, dtype=torch.bool, device=weight.device)
+    for r0, r1, c0, c1 in parts:
+        skipped[r0:r1, c0:c1] = True
+    for name, got in after.items():
+        mask = _element_mask(got, skipped)
+        assert_bitwise_equal(got[mask], before[name][mask], f"{what}: {name} in the skipped parts")
+        assert_bitwise_equal(got[~mask], clean[name][~mask], f"{what}: {name} outside them, against the clean step")
+
+
 def non_finite_input_fails_reached_tiles(problem, rule, config, device, bad, *, regime=FP32, oracle=False):
     """``input_check="tiles"`` with one NaN or infinite element ``bad`` = (input, token,
     index, value; and whether the other operand's row at that token is zero, so that its
@@ -110,7 +124,7 @@ def non_finite_input_fails_reached_tiles(problem, rule, config, device, bad, *, 
     (x if where == "x" else dy)[t, index] = value
     weight = inputs.weight.clone()
     state = rule.init_state(weight, state_format=regime.state_format)
-    before = [weight.clone()] + [state[k].clone() for k in sorted(state)]
+    before = {"weight": weight.clone(), **{k: v.clone() for k, v in state.items()}}
     what = (f"{where}[{t}, {index}] = {value}{' (other row zero)' if zero_row else ''}, {config}, oracle={oracle} "
             f"[{rule!r}; {problem.describe()}; {regime.describe()}]")
     try:
@@ -118,20 +132,13 @@ def non_finite_input_fails_reached_tiles(problem, rule, config, device, bad, *, 
                                seed=regime.seed, input_check="tiles")
     except fk.NonFiniteUpdateError as error:
         named = sorted(error.tiles)
+        assert "x and dy were not scanned" in str(error), f"{what}: the error does not say so: {error}"
     else:
         raise AssertionError(f"{what}: the step raised nothing")
     axis = 2 if where == "x" else 0
     reached = [part for part in epilogue_parts(config, weight.shape) if part[axis] <= index < part[axis + 1]]
     assert named == reached, f"{what}: named {named}, reached {reached}"
-    failed = torch.zeros(weight.shape, dtype=torch.bool, device=weight.device)
-    for r0, r1, c0, c1 in reached:
-        failed[r0:r1, c0:c1] = True
-    after = [weight] + [state[k] for k in sorted(state)]
-    clean = [clean_weight] + [clean_state[k] for k in sorted(clean_state)]
-    for name, got, old, new in zip(["weight"] + sorted(state), after, before, clean):
-        mask = _element_mask(got, failed)
-        assert_bitwise_equal(got[mask], old[mask], f"{what}: {name} in the failed parts")
-        assert_bitwise_equal(got[~mask], new[~mask], f"{what}: {name} outside them, against the clean step")
+    assert_parts_kept({"weight": weight, **state}, before, {"weight": clean_weight, **clean_state}, reached, what)
     for name, values in [("weight", weight)] + list(decoded_state(rule, state).items()):
         assert torch.isfinite(values).all(), f"{what}: non-finite {name} stored"
 
