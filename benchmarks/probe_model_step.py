@@ -8,7 +8,7 @@ between a step's GPU activities the idle it shows exceeds the unprofiled step's:
 idle as ``bench_model``'s wall time minus the busy time here.
 
     python3 benchmarks/probe_model_step.py [--layers 2] [--tokens 512,4096] [--variants bf16] \
-        [--methods "torch captured,forge captured"] [--max-norm 1.0 --norm tiles] [--back-to-back 10]
+        [--methods "torch captured,forge captured"] [--max-norm 1.0 --norm tiles] [--input-check tiles] [--back-to-back 10]
 """
 
 import argparse
@@ -105,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--methods", default="torch captured,forge captured")
     parser.add_argument("--max-norm", type=float, default=None)
     parser.add_argument("--norm", choices=("gradient", "tiles"), default="gradient")
+    parser.add_argument("--input-check", choices=("step", "tiles"), default="step",
+                        help="the fused layers' input_check, as bench_model's flag")
     parser.add_argument("--top", type=int, default=8, help="also list this many kernels by time")
     parser.add_argument("--steps", type=int, default=3, help="profiled runs per row")
     parser.add_argument("--back-to-back", type=int, default=1,
@@ -119,7 +121,8 @@ def main(argv=None):
         for name in args.variants.split(","):
             for method in args.methods.split(","):
                 model, step = bm.variant(name, method, args.layers, tokens, configs,
-                                         max_norm=args.max_norm, norm=args.norm)
+                                         max_norm=args.max_norm, norm=args.norm,
+                                         input_check=args.input_check)
                 wall_ms, busy_us, idle_us, per_kind, per_name, gaps = breakdown(step, args.steps,
                                                                                 args.back_to_back)
                 print(f"T={tokens:5d} {name:11s} {method:21s} wall {wall_ms:6.2f} ms, "
