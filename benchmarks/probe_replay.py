@@ -1,0 +1,84 @@
+"""Is a CUDA-graph replay slower than the eager launch of the same work at long token
+counts? ``bench_update.py``'s own callables (``forge kernel`` and ``forge kernel
+replayed``, ``forge captured unscanned``, ``torch`` and ``torch captured``) timed two ways,
+in rounds that alternate the methods, with the SM clock and board power sampled by
+``nvidia-smi`` every 50 ms:
+
+* ``do_bench``: ``bench_update.timed``, Triton's ``do_bench`` with its L2 flush before
+  each call, the figure ``bench_update.py`` reports;
+* ``back to back``: ``probe_clocks.replay_for``, calls with no flush and no wait, for
+  two seconds.
+
+Why: on an H100 at 16,384 tokens (README, "On an H100 at 63fcd3d") torch's captured
+step read slower than its eager one (4.12 against 3.68 ms on 8192 x 8192, fp32) and
+FORGE's kernel replayed slower than launched eagerly (4.47 against 3.69 ms), while
+FORGE's captured step was not; the ratios against torch captured there rest on it.
+If the back-to-back times agree where ``do_bench``'s do not, the gap is in the timing,
+not in the graphs.
+
+    PYTHONPATH=. python3 benchmarks/probe_replay.py [--cases 8192x8192:16384,4096x4096:16384] \
+        [--regimes fp32] [--rounds 2]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+from probe_clocks import FIELDS, replay_for, samples  # noqa: E402
+
+METHODS = ("forge kernel", "forge kernel replayed", "forge captured unscanned", "torch", "torch captured")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="8192x8192:16384,4096x4096:16384", help="OUTxIN:tokens, comma-separated")
+    parser.add_argument("--regimes", default="fp32")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_replay.py measures on a GPU; none is visible here")
+    configs = json.loads(bu.CONFIGS_FILE.read_text())
+    print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}", flush=True)
+    phases = []
+    with tempfile.NamedTemporaryFile("w", suffix=".csv") as log:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                               stdout=log)
+        for case in args.cases.split(","):
+            shape, t = case.split(":")
+            n, k = map(int, shape.split("x"))
+            t = int(t)
+            for regime in args.regimes.split(","):
+                layer = bu.Layer(n, k, t, regime)
+                found = bu.methods(layer, regime, bu.tuned_config(configs, regime, t))
+                for reading in range(args.rounds):
+                    for name in METHODS:
+                        flushed = bu.timed(found[name])[0]
+                        start, end, ms = replay_for(found[name])
+                        phases.append((f"{n}x{k} T={t} {regime} {name} #{reading}", flushed, start, end, ms))
+                del layer, found
+                torch.cuda.empty_cache()
+        time.sleep(0.2)
+        smi.terminate()
+        smi.wait()
+        log.flush()
+        rows = samples(log.name)
+    print(f"{'case':58s} do_bench  back to back (ms)")
+    for name, flushed, start, end, ms in phases:
+        inside = [r for r in rows if start + 0.3 <= r[0] <= end]  # past the first 0.3 s of the phase
+        clock = (f"SM clock median {statistics.median(r[1] for r in inside):.0f} MHz, power median "
+                 f"{statistics.median(r[2] for r in inside):.0f} W, reasons {sorted(set(r[3] for r in inside))}"
+                 if inside else "no clock samples")
+        print(f"{name:58s} {flushed:8.4f}  {ms:8.4f}  {clock}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
