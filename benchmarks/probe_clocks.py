@@ -13,6 +13,7 @@ phase's first 0.3 s.
 """
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import subprocess
@@ -57,6 +58,44 @@ def samples(path):
     return rows
 
 
+def parse_cases(text):
+    """"OUTxIN:tokens,..." -> [(out, in, tokens), ...]."""
+    cases = []
+    for case in text.split(","):
+        shape, t = case.split(":")
+        n, k = map(int, shape.split("x"))
+        cases.append((n, k, int(t)))
+    return cases
+
+
+@contextlib.contextmanager
+def clock_samples():
+    """Sample the SM clock and board power every 50 ms while the block runs; the list it
+    yields holds ``samples``' rows once the block is over."""
+    rows = []
+    with tempfile.NamedTemporaryFile("w", suffix=".csv") as log:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                               stdout=log)
+        try:
+            yield rows
+        finally:
+            time.sleep(0.2)
+            smi.terminate()
+            smi.wait()
+            log.flush()
+            rows.extend(samples(log.name))
+
+
+def clock_summary(rows, start, end):
+    """The samples of one phase, past its first 0.3 s (the clock settling), in one line."""
+    inside = [r for r in rows if start + 0.3 <= r[0] <= end]
+    if not inside:
+        return "no clock samples"
+    return (f"SM clock median {statistics.median(r[1] for r in inside):.0f} MHz "
+            f"min {min(r[1] for r in inside):.0f}  power median {statistics.median(r[2] for r in inside):.0f} W  "
+            f"reasons {sorted(set(r[3] for r in inside))}  ({len(inside)} samples)")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="4096x4096:16384,4096x14336:16384", help="OUTxIN:tokens, comma-separated")
@@ -64,13 +103,8 @@ def main():
     configs = bu.json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}", flush=True)
     phases = []
-    with tempfile.NamedTemporaryFile("w", suffix=".csv") as log:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                               stdout=log)
-        for case in args.cases.split(","):
-            shape, t = case.split(":")
-            n, k = map(int, shape.split("x"))
-            t = int(t)
+    with clock_samples() as rows:
+        for n, k, t in parse_cases(args.cases):
             layer = bu.Layer(n, k, t, "fp32")
             loop, _ = pw.loop_step(layer.x, layer.dy, "product loop 128x128, TMA warp, 4 x 64")
             cases = {"loop alone": bu.capture(loop)[0].replay,
@@ -80,16 +114,8 @@ def main():
                 for name, fn in cases.items():
                     phases.append((f"{n}x{k} T={t} {name} #{reading}", *replay_for(fn)))
             del layer, cases
-        time.sleep(0.2)
-        smi.terminate()
-        smi.wait()
-        log.flush()
-        rows = samples(log.name)
     for name, start, end, ms in phases:
-        inside = [r for r in rows if start + 0.3 <= r[0] <= end]  # past the first 0.3 s of each phase
-        print(f"{name:45s} {ms:.4f} ms/iter  SM clock median {statistics.median(r[1] for r in inside):.0f} MHz "
-              f"min {min(r[1] for r in inside):.0f}  power median {statistics.median(r[2] for r in inside):.0f} W  "
-              f"reasons {sorted(set(r[3] for r in inside))}  ({len(inside)} samples)", flush=True)
+        print(f"{name:45s} {ms:.4f} ms/iter  {clock_summary(rows, start, end)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,14 @@ not in the graphs.
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
-from probe_clocks import FIELDS, replay_for, samples  # noqa: E402
+from probe_clocks import clock_samples, clock_summary, parse_cases, replay_for  # noqa: E402
 
 METHODS = ("forge kernel", "forge kernel replayed", "forge captured unscanned", "torch", "torch captured")
 
@@ -49,13 +45,8 @@ def main():
     configs = json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}", flush=True)
     phases = []
-    with tempfile.NamedTemporaryFile("w", suffix=".csv") as log:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                               stdout=log)
-        for case in args.cases.split(","):
-            shape, t = case.split(":")
-            n, k = map(int, shape.split("x"))
-            t = int(t)
+    with clock_samples() as rows:
+        for n, k, t in parse_cases(args.cases):
             for regime in args.regimes.split(","):
                 layer = bu.Layer(n, k, t, regime)
                 found = bu.methods(layer, regime, bu.tuned_config(configs, regime, t))
@@ -66,18 +57,9 @@ def main():
                         phases.append((f"{n}x{k} T={t} {regime} {name} #{reading}", flushed, start, end, ms))
                 del layer, found
                 torch.cuda.empty_cache()
-        time.sleep(0.2)
-        smi.terminate()
-        smi.wait()
-        log.flush()
-        rows = samples(log.name)
     print(f"{'case':58s} do_bench  back to back (ms)")
     for name, flushed, start, end, ms in phases:
-        inside = [r for r in rows if start + 0.3 <= r[0] <= end]  # past the first 0.3 s of the phase
-        clock = (f"SM clock median {statistics.median(r[1] for r in inside):.0f} MHz, power median "
-                 f"{statistics.median(r[2] for r in inside):.0f} W, reasons {sorted(set(r[3] for r in inside))}"
-                 if inside else "no clock samples")
-        print(f"{name:58s} {flushed:8.4f}  {ms:8.4f}  {clock}", flush=True)
+        print(f"{name:58s} {flushed:8.4f}  {ms:8.4f}  {clock_summary(rows, start, end)}", flush=True)
 
 
 if __name__ == "__main__":
