@@ -1,0 +1,69 @@
+"""Does the input scan warm L2 for the fused kernel? ``bench_update.py``'s captured step
+with ``input_check="step"`` (scan of x and dy, then the kernel) or ``"tiles"`` (the
+kernel alone), each replay after an L2 flush as ``do_bench`` does it, a few times, for
+a profiler to read the fused kernel's L2 hit rate and DRAM bytes in each:
+
+    ncu --clock-control none --cache-control none --kernel-name regex:'split_kernel|pingpong_kernel|_fused_weight_update_kernel' \
+        --launch-skip 2 --launch-count 1 --metrics gpu__time_duration.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum \
+        python3 benchmarks/probe_scan_l2.py bf16-rn 1024 8192x8192 tiles
+
+(``--cache-control none``: ncu must not flush L2 itself, or it would hide what is asked.)
+Without a profiler it prints the median replay time of both settings, alternated, each
+replay after the flush.
+
+Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens on 8192 x
+8192, the step without the scan read slower than the step with it, in three readings
+(README, "On an H100 at 63fcd3d"), though it does strictly less work.
+
+    python3 benchmarks/probe_scan_l2.py REGIME TOKENS OUTxIN [step|tiles]
+"""
+
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
+
+
+def replay_after_flush(step, flush, calls):
+    """Median ms of ``step`` over ``calls``, each after ``flush`` (timed without it)."""
+    times = []
+    for _ in range(calls):
+        flush.zero_()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("probe_scan_l2.py measures on a GPU; none is visible here")
+    regime, tokens, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    settings = sys.argv[4:] or ["step", "tiles"]
+    n, k = map(int, shape.split("x"))
+    config = bu.tuned_config(json.loads(bu.CONFIGS_FILE.read_text()), regime, tokens)
+    layer = bu.Layer(n, k, tokens, regime)
+    r = bu.rule()
+    steps = {s: bu.captured_step(layer, config, r, layer.fresh_state(r), input_check=s) for s in settings}
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush, 256 MB
+    print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}; "
+          f"{regime} {n}x{k} T={tokens} {config}", flush=True)
+    if len(settings) == 1:  # under a profiler: a few replays, each after the flush
+        replay_after_flush(steps[settings[0]], flush, 4)
+        torch.cuda.synchronize()
+        return
+    for setting in itertools.islice(itertools.cycle(settings), 3 * len(settings)):
+        print(f"input_check={setting:5s} {replay_after_flush(steps[setting], flush, 200):.4f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
