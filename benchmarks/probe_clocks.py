@@ -52,9 +52,12 @@ def samples(path):
     """(time, SM MHz, watts, throttle reasons) per nvidia-smi line (its clock is this machine's)."""
     rows = []
     for line in Path(path).read_text().splitlines():
-        stamp, mhz, watts, reasons = (v.strip() for v in line.split(","))
-        rows.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(mhz), float(watts),
-                     reasons))
+        try:
+            stamp, mhz, watts, reasons = (v.strip() for v in line.split(","))
+            rows.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(mhz),
+                         float(watts), reasons))
+        except ValueError:  # "[N/A]", or the last line cut off when the sampler stopped: not a sample
+            continue
     return rows
 
 
@@ -86,9 +89,10 @@ def clock_samples():
             rows.extend(samples(log.name))
 
 
-def clock_summary(rows, start, end):
-    """The samples of one phase, past its first 0.3 s (the clock settling), in one line."""
-    inside = [r for r in rows if start + 0.3 <= r[0] <= end]
+def clock_summary(rows, start, end, settle=0.3):
+    """The samples of one phase, past its first ``settle`` seconds (the clock settling), in
+    one line."""
+    inside = [r for r in rows if start + settle <= r[0] <= end]
     if not inside:
         return "no clock samples"
     return (f"SM clock median {statistics.median(r[1] for r in inside):.0f} MHz "

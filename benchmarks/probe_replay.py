@@ -21,8 +21,10 @@ not in the graphs.
 """
 
 import argparse
+import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,21 +47,30 @@ def main():
     configs = json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}", flush=True)
     phases = []
+    print(f"{'case':58s} do_bench  back to back (ms)", flush=True)
     with clock_samples() as rows:
         for n, k, t in parse_cases(args.cases):
             for regime in args.regimes.split(","):
                 layer = bu.Layer(n, k, t, regime)
                 found = bu.methods(layer, regime, bu.tuned_config(configs, regime, t))
                 for reading in range(args.rounds):
-                    for name in METHODS:
+                    # Reversed every other round: a method's reading after another's two seconds at
+                    # the power cap must not always follow the same method.
+                    for name in METHODS if reading % 2 == 0 else METHODS[::-1]:
+                        flushed_start = time.time()
                         flushed = bu.timed(found[name])[0]
                         start, end, ms = replay_for(found[name])
-                        phases.append((f"{n}x{k} T={t} {regime} {name} #{reading}", flushed, start, end, ms))
+                        label = f"{n}x{k} T={t} {regime} {name} #{reading}"
+                        # Printed as measured: a timeout later loses no reading.
+                        print(f"{label:58s} {flushed:8.4f}  {ms:8.4f}", flush=True)
+                        phases.append((label, flushed_start, start, end))
                 del layer, found
+                gc.collect()
                 torch.cuda.empty_cache()
-    print(f"{'case':58s} do_bench  back to back (ms)")
-    for name, flushed, start, end, ms in phases:
-        print(f"{name:58s} {flushed:8.4f}  {ms:8.4f}  {clock_summary(rows, start, end)}", flush=True)
+    print("clocks: during do_bench (all samples) | back to back (after its first 0.3 s)")
+    for label, flushed_start, start, end in phases:
+        print(f"{label:58s} {clock_summary(rows, flushed_start, start, settle=0.0)} | "
+              f"{clock_summary(rows, start, end)}", flush=True)
 
 
 if __name__ == "__main__":

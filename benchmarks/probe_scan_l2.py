@@ -3,11 +3,13 @@ with ``input_check="step"`` (scan of x and dy, then the kernel) or ``"tiles"`` (
 kernel alone), each replay after an L2 flush as ``do_bench`` does it, a few times, for
 a profiler to read the fused kernel's L2 hit rate and DRAM bytes in each:
 
-    ncu --clock-control none --cache-control none --kernel-name regex:'split_kernel|pingpong_kernel|_fused_weight_update_kernel' \
+    ncu --replay-mode application --clock-control none --cache-control none --kernel-name regex:'split_kernel|pingpong_kernel|_fused_weight_update_kernel' \
         --launch-skip 2 --launch-count 1 --metrics gpu__time_duration.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum \
         python3 benchmarks/probe_scan_l2.py bf16-rn 1024 8192x8192 tiles
 
-(``--cache-control none``: ncu must not flush L2 itself, or it would hide what is asked.)
+(``--cache-control none``: ncu must not flush L2 itself, or it would hide what is asked;
+``--replay-mode application``: kernel replay saves and restores the kernel's memory
+between passes, through L2, which would leave another L2 than the flush or the scan.)
 Without a profiler it prints the median replay time of both settings, alternated, each
 replay after the flush.
 
@@ -31,17 +33,17 @@ import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_ker
 
 
 def replay_after_flush(step, flush, calls):
-    """Median ms of ``step`` over ``calls``, each after ``flush`` (timed without it)."""
-    times = []
-    for _ in range(calls):
+    """Median ms of ``step`` over ``calls``, each after ``flush`` (timed without it), all
+    queued before one synchronization, as ``do_bench`` queues them: the host's work for a
+    call overlaps the GPU's for the one before."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for begin, end in events:
         flush.zero_()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         step()
         end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(begin.elapsed_time(end) for begin, end in events)
 
 
 def main():
