@@ -353,11 +353,12 @@ def check_report(report) -> str:
 
 
 def check_input_check(input_check, config=None) -> str:
-    """``input_check`` if it is one of ``INPUT_CHECKS`` and ``config`` (a TileConfig, if
-    given) does not scan the inputs inside its kernel, which "tiles" would contradict."""
+    """``input_check`` if it is one of ``INPUT_CHECKS`` and ``config`` does not scan the
+    inputs inside its kernel, which "tiles" would contradict (a ``config`` that is not a
+    TileConfig is left to the config's own check)."""
     if input_check not in INPUT_CHECKS:
         raise ValueError(f"input_check must be one of {INPUT_CHECKS}, got {input_check!r}")
-    if input_check == "tiles" and config is not None and config.in_kernel_check:
+    if input_check == "tiles" and getattr(config, "in_kernel_check", False):
         raise ValueError('input_check="tiles" launches no scan of x and dy, and TileConfig(in_kernel_check=True) '
                          "is one (inside the kernel): pass one or the other")
     return input_check
@@ -592,11 +593,10 @@ def fused_weight_update(x, dy, weight, state, rule, step, *, oracle=False, confi
     first. Non-finite inputs give non-finite sums.
     """
     check_report(report)
-    check_input_check(input_check)
+    check_input_check(input_check, config)
     check_update_inputs(x, dy, weight, state, rule, square_sums=square_sums, grad_scale=grad_scale)
     captured = check_capture(weight, step, report)
     epilogue = _Epilogue(weight, state, rule, step, config, rounding, seed, grad_scale, weight_slice)
-    check_input_check(input_check, epilogue.config)
     scan = input_check == "step"
     if square_sums is not None:
         check_square_sums(square_sums, weight.shape, epilogue.config, weight.device)
