@@ -10,8 +10,9 @@ a profiler to read the fused kernel's L2 hit rate and DRAM bytes in each:
 (``--cache-control none``: ncu must not flush L2 itself, or it would hide what is asked;
 ``--replay-mode application``: kernel replay saves and restores the kernel's memory
 between passes, through L2, which would leave another L2 than the flush or the scan.)
-Without a profiler it prints the median replay time of both settings, alternated, each
-replay after the flush.
+Without a profiler it prints both settings' medians through ``bench_update.timed``
+(``do_bench``, which flushes L2 before each call: the figure ``bench_update.py`` reports),
+alternated.
 
 Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens on 8192 x
 8192, the step without the scan read slower than the step with it, in three readings
@@ -22,7 +23,6 @@ Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens o
 
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,20 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_kernels)
-
-
-def replay_after_flush(step, flush, calls):
-    """Median ms of ``step`` over ``calls``, each after ``flush`` (timed without it), all
-    queued before one synchronization, as ``do_bench`` queues them: the host's work for a
-    call overlaps the GPU's for the one before."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for begin, end in events:
-        flush.zero_()
-        begin.record()
-        step()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(begin.elapsed_time(end) for begin, end in events)
 
 
 def main():
@@ -56,15 +42,17 @@ def main():
     layer = bu.Layer(n, k, tokens, regime)
     r = bu.rule()
     steps = {s: bu.captured_step(layer, config, r, layer.fresh_state(r), input_check=s) for s in settings}
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # do_bench's L2 flush, 256 MB
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}; "
           f"{regime} {n}x{k} T={tokens} {config}", flush=True)
-    if len(settings) == 1:  # under a profiler: a few replays, each after the flush
-        replay_after_flush(steps[settings[0]], flush, 4)
+    if len(settings) == 1:  # under a profiler: a few replays, each after an L2 flush as do_bench's
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        for _ in range(4):
+            flush.zero_()
+            steps[settings[0]]()
         torch.cuda.synchronize()
         return
     for setting in itertools.islice(itertools.cycle(settings), 3 * len(settings)):
-        print(f"input_check={setting:5s} {replay_after_flush(steps[setting], flush, 200):.4f} ms", flush=True)
+        print(f"input_check={setting:5s} {bu.timed(steps[setting])[0]:.4f} ms", flush=True)
 
 
 if __name__ == "__main__":
