@@ -28,8 +28,12 @@ stochastic rounding; torch rounds to nearest), ``bf16-rn`` (bf16 weight and stat
 to nearest, as torch rounds them: the like-for-like bf16 comparison), ``q8`` (bf16 weight,
 8-bit state with stochastic codes; torch keeps bf16 state, torchao 8-bit state).
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call); peak is
-the largest extra device memory during one step. The floor is the larger of (bytes
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), pooled
+over ``--rounds`` rounds that time every method of a row in turn, the order reversed each
+other round: at 16,384 tokens an H100 runs at its power cap and read the first method of a
+row 1.5-8 % faster than the same method at the row's end (``probe_replay.py``,
+results/h100-probe-replay-ffdcdf6.log), so a fixed order favours whichever comes first. Peak is the largest extra device memory during one
+step. The floor is the larger of (bytes
 that must move) / (copy bandwidth) and (matrix FLOPs) / (bf16 matrix rate), both
 measured in the same run. Writes a CSV (one row per shape, tokens, regime, method)
 and prints a table.
@@ -280,9 +284,27 @@ def peak_extra_bytes(fn):
     return torch.cuda.max_memory_allocated() - before
 
 
-def timed(fn):
-    times = do_bench(fn, warmup=25, rep=200, return_mode="all")
+def readings(fn):
+    """``do_bench``'s times of ``fn`` in ms, one per call, L2 flushed before each."""
+    return do_bench(fn, warmup=25, rep=200, return_mode="all")
+
+
+def summary(times):
     return statistics.median(times), min(times), max(times)
+
+
+def timed(fn):
+    return summary(readings(fn))
+
+
+def timed_in_rounds(found, rounds):
+    """name -> (median, min, max) of every reading of each method of ``found``, taken in
+    ``rounds`` rounds with the order of the methods reversed in each other round."""
+    times = {name: [] for name in found}
+    for round_ in range(rounds):
+        for name in (list(found) if round_ % 2 == 0 else list(reversed(found))):
+            times[name].extend(readings(found[name]))
+    return {name: summary(t) for name, t in times.items()}
 
 
 def host_us(fn, calls=50):
@@ -421,9 +443,13 @@ def main(argv=None):
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--regimes", default=",".join(REGIMES))
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of timing per row, the method order "
+                                                                 "reversed each other round (default 2)")
     parser.add_argument("--candidates", default=None, help="with --tune: configs to sweep instead of CANDIDATES, "
                                                            "as Python tuples separated by ';'")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         sys.exit("bench_update.py measures on a GPU; none is visible here")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -468,9 +494,9 @@ def main(argv=None):
                         checked.add((n, k, regime, config))
                     layer = Layer(n, k, t, regime)
                     floor = floor_ms(n, k, t, regime, bandwidth, matrix_rate)
-                    for method, fn in methods(layer, regime, config).items():
-                        median, low, high = timed(fn)
-                        peak = "" if method in CAPTURED else peak_extra_bytes(fn)
+                    found = methods(layer, regime, config)
+                    for method, (median, low, high) in timed_in_rounds(found, args.rounds).items():
+                        peak = "" if method in CAPTURED else peak_extra_bytes(found[method])
                         rows.append((n, k, t, regime, method, median, peak, floor))
                         writer.writerow({**meta, "n": n, "k": k, "tokens": t, "regime": regime, "method": method,
                                          "median_ms": f"{median:.5f}", "min_ms": f"{low:.5f}",
