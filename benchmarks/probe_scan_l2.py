@@ -18,9 +18,14 @@ Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens o
 8192, the step without the scan read slower than the step with it, in three readings
 (README, "On an H100 at 63fcd3d"), though it does strictly less work.
 
-    python3 benchmarks/probe_scan_l2.py REGIME TOKENS OUTxIN [step|tiles]
+    python3 benchmarks/probe_scan_l2.py REGIME TOKENS OUTxIN [step|tiles] [--steps-first N]
+
+``--steps-first N`` replays each step N times before it is timed, each on its own state,
+as ``bench_update.py``'s earlier methods step the state its captured rows then read: in
+the same session, the benchmark's unscanned row read 5-9 % slower than this probe's.
 """
 
+import argparse
 import itertools
 import json
 import sys
@@ -33,17 +38,28 @@ import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_ker
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("regime")
+    parser.add_argument("tokens", type=int)
+    parser.add_argument("shape", help="OUTxIN")
+    parser.add_argument("settings", nargs="*", help="step, tiles or both (the default)")
+    parser.add_argument("--steps-first", type=int, default=0, help="replays of each step before timing")
+    args = parser.parse_args()
+    if not set(args.settings) <= {"step", "tiles"}:
+        parser.error(f"settings are step and tiles, got {args.settings}")
     if not torch.cuda.is_available():
         sys.exit("probe_scan_l2.py measures on a GPU; none is visible here")
-    regime, tokens, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    settings = sys.argv[4:] or ["step", "tiles"]
-    n, k = map(int, shape.split("x"))
+    regime, tokens, settings = args.regime, args.tokens, args.settings or ["step", "tiles"]
+    n, k = map(int, args.shape.split("x"))
     config = bu.tuned_config(json.loads(bu.CONFIGS_FILE.read_text()), regime, tokens)
     layer = bu.Layer(n, k, tokens, regime)
     r = bu.rule()
     steps = {s: bu.captured_step(layer, config, r, layer.fresh_state(r), input_check=s) for s in settings}
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}; "
-          f"{regime} {n}x{k} T={tokens} {config}", flush=True)
+          f"{regime} {n}x{k} T={tokens} {config}; {args.steps_first} steps first", flush=True)
+    for step in steps.values():
+        for _ in range(args.steps_first):
+            step()
     if len(settings) == 1:  # under a profiler: a few replays, each after an L2 flush as do_bench's
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         for _ in range(4):
