@@ -22,7 +22,7 @@ Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens o
 
 ``--steps-first N`` replays each step N times before it is timed, each on its own state,
 as ``bench_update.py``'s earlier methods step the state its captured rows then read: in
-the same session, the benchmark's unscanned row read 5-9 % slower than this probe's.
+the same session, the benchmark's unscanned row read 5-10 % slower than this probe's.
 """
 
 import argparse

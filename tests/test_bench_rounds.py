@@ -27,5 +27,6 @@ def test_order_reverses_each_other_round_and_readings_pool(monkeypatch):
 
 
 def test_rounds_below_one_are_refused():
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:
         bu.main(["--out", "/dev/null", "--rounds", "0"])
+    assert refused.value.code == 2  # argparse's usage error, not the missing GPU's message
