@@ -42,7 +42,9 @@ Times are medians over ``--steps`` timed steps after warm-up (CUDA events around
 forward, backward and optimizer; the host waits for each step before the next is timed);
 with ``--back-to-back N``, medians over ``--steps`` runs of N steps called one after
 another, as a training loop calls them (CUDA events around the N calls, one wait at
-the end), divided by N; ``--hand-over-optimizer`` hands the norms' AdamW of the ``forge
+the end), divided by N; with ``--rounds R``, every variant and method is built, warmed up
+and timed once per round, the order reversed each other round, and its readings pooled
+(a GPU at its power cap reads what runs first faster); ``--hand-over-optimizer`` hands the norms' AdamW of the ``forge
 captured`` methods to the ``CapturedStep`` (``optimizer=``, stepped through ``found_inf``,
 so a lagged step's halt covers it) instead of stepping it in ``step_fn``; peak is ``torch.cuda.max_memory_allocated`` over the
 timed steps, and ``reserved`` ``torch.cuda.max_memory_reserved`` over them, the
@@ -227,6 +229,13 @@ def largest_batch(name, method, layers, tokens, configs, limit=256, **clipping) 
 def measure(step, warmup, steps, back_to_back=1):
     """(median, min, max) ms per step over ``steps`` timed runs of ``back_to_back`` calls
     each, then the peak allocated and reserved bytes over them."""
+    times, peak, reserved = timed_steps(step, warmup, steps, back_to_back)
+    return statistics.median(times), min(times), max(times), peak, reserved
+
+
+def timed_steps(step, warmup, steps, back_to_back=1):
+    """The ms per step of each of ``steps`` timed runs of ``back_to_back`` calls, and the
+    peak allocated and reserved bytes over them."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -241,8 +250,20 @@ def measure(step, warmup, steps, back_to_back=1):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / back_to_back)
-    return (statistics.median(times), min(times), max(times), torch.cuda.max_memory_allocated(),
-            torch.cuda.max_memory_reserved())
+    return times, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def row_line(tokens, name, method, times, peak, reserved):
+    return (f"T={tokens:5d} {name:11s} {method:21s} {statistics.median(times):9.2f} ms  "
+            f"peak {peak / 2**30:6.2f} GiB  reserved {reserved / 2**30:6.2f} GiB")
+
+
+def in_rounds(cases, rounds):
+    """Each case once per round, the order reversed each other round: at its power cap a
+    GPU reads what runs first faster (benchmarks/README.md, "Graph replays at 16,384
+    tokens"), so one fixed order would favour one method."""
+    for round_ in range(rounds):
+        yield from (cases if round_ % 2 == 0 else cases[::-1])
 
 
 def main(argv=None):
@@ -257,6 +278,9 @@ def main(argv=None):
                              "of stepping it in step_fn (what --max-norm does anyway)")
     parser.add_argument("--back-to-back", type=int, default=1, metavar="N",
                         help="time runs of N steps called one after another (one wait per run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every variant and method once per round, the order reversed each other round, "
+                             "and pool the rounds' readings (each round builds and warms its model again)")
     parser.add_argument("--variants", default="bf16,fp32-master")
     parser.add_argument("--methods", default="torch,forge,forge deferred")
     parser.add_argument("--fit-under", type=float, default=None, metavar="GB",
@@ -268,6 +292,8 @@ def main(argv=None):
                         help="the fused layers' input_check: scan x and dY before each step, or leave a non-finite "
                              "input to the tiles it reaches")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         sys.exit("bench_model.py measures on a GPU; none is visible here")
     configs = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
@@ -287,36 +313,45 @@ def main(argv=None):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.fit_under * 1e9 / total)
     variants = args.variants.split(",")
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        for name in variants:
-            for method in methods:
-                if name in ("q8", "bf16-rn") and not method.startswith("forge") and "bf16" in variants:
-                    # The bf16 variant's torch rows are the comparison (torch has no q8 state, and
-                    # rounds to nearest); without it they run here, the same torch step.
-                    continue
-                if args.fit_under is not None:
-                    batch = largest_batch(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
-                                          norm=args.norm, input_check=args.input_check)
-                    rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
-                                 "cap_gb": args.fit_under, "largest_batch": batch})
-                    print(f"T={tokens:5d} {name:11s} {method:14s} largest micro-batch under {args.fit_under:g} GB: "
-                          f"{batch}", flush=True)
-                    continue
-                model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
-                                      norm=args.norm, hand_over=args.hand_over_optimizer,
-                                      input_check=args.input_check)
-                median, low, high, peak, reserved = measure(step, args.warmup, args.steps, args.back_to_back)
-                rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
-                             "back_to_back": args.back_to_back, "median_ms": f"{median:.3f}",
-                             "min_ms": f"{low:.3f}", "max_ms": f"{high:.3f}", "peak_bytes": peak,
-                             "peak_reserved_bytes": reserved})
-                print(f"T={tokens:5d} {name:11s} {method:21s} {median:9.2f} ms  peak {peak / 2**30:6.2f} GiB  "
-                      f"reserved {reserved / 2**30:6.2f} GiB", flush=True)
-                # A fused layer and its weight's hook refer to each other: without a collection
-                # the model outlives `del` and its weights and state count in the next peak.
-                del model, step
-                gc.collect()
-                torch.cuda.empty_cache()
+    # The bf16 variant's torch rows are the comparison for q8 and bf16-rn (torch has no q8
+    # state, and rounds to nearest); without it they run for those variants, the same torch step.
+    cases = [(tokens, name, method) for tokens in (int(t) for t in args.tokens.split(","))
+             for name in variants for method in methods
+             if not (name in ("q8", "bf16-rn") and not method.startswith("forge") and "bf16" in variants)]
+    if args.fit_under is not None:
+        for tokens, name, method in cases:
+            batch = largest_batch(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
+                                  norm=args.norm, input_check=args.input_check)
+            rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
+                         "cap_gb": args.fit_under, "largest_batch": batch})
+            print(f"T={tokens:5d} {name:11s} {method:14s} largest micro-batch under {args.fit_under:g} GB: "
+                  f"{batch}", flush=True)
+    else:
+        readings = {case: ([], 0, 0) for case in cases}
+        for case in in_rounds(cases, args.rounds):
+            tokens, name, method = case
+            model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
+                                  norm=args.norm, hand_over=args.hand_over_optimizer,
+                                  input_check=args.input_check)
+            times, peak, reserved = timed_steps(step, args.warmup, args.steps, args.back_to_back)
+            pooled, peak_before, reserved_before = readings[case]
+            readings[case] = (pooled + times, max(peak, peak_before), max(reserved, reserved_before))
+            # Each reading as it comes, so that a timeout loses nothing.
+            print(("  round " if args.rounds > 1 else "") + row_line(tokens, name, method, times, peak, reserved),
+                  flush=True)
+            # A fused layer and its weight's hook refer to each other: without a collection
+            # the model outlives `del` and its weights and state count in the next peak.
+            del model, step
+            gc.collect()
+            torch.cuda.empty_cache()
+        for (tokens, name, method), (times, peak, reserved) in readings.items():
+            median = statistics.median(times)
+            rows.append({**meta, "tokens": tokens, "variant": name, "method": method,
+                         "back_to_back": args.back_to_back, "rounds": args.rounds, "median_ms": f"{median:.3f}",
+                         "min_ms": f"{min(times):.3f}", "max_ms": f"{max(times):.3f}", "peak_bytes": peak,
+                         "peak_reserved_bytes": reserved})
+            if args.rounds > 1:
+                print(row_line(tokens, name, method, times, peak, reserved), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
