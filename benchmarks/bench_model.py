@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_update import CONFIGS_FILE, REGIMES, tuned_config  # noqa: E402  (also maps kernels/ to forge_kernels)
+from bench_update import CONFIGS_FILE, REGIMES, in_rounds, tuned_config  # noqa: E402  (also maps kernels/ to forge_kernels)
 
 import forge_kernels as fk  # noqa: E402
 
@@ -258,14 +258,6 @@ def row_line(tokens, name, method, times, peak, reserved):
             f"peak {peak / 2**30:6.2f} GiB  reserved {reserved / 2**30:6.2f} GiB")
 
 
-def in_rounds(cases, rounds):
-    """Each case once per round, the order reversed each other round: at its power cap a
-    GPU reads what runs first faster (benchmarks/README.md, "Graph replays at 16,384
-    tokens"), so one fixed order would favour one method."""
-    for round_ in range(rounds):
-        yield from (cases if round_ % 2 == 0 else cases[::-1])
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -328,7 +320,7 @@ def main(argv=None):
                   f"{batch}", flush=True)
     else:
         readings = {case: ([], 0, 0) for case in cases}
-        for case in in_rounds(cases, args.rounds):
+        for _, case in in_rounds(cases, args.rounds):
             tokens, name, method = case
             model, step = variant(name, method, args.layers, tokens, configs, max_norm=args.max_norm,
                                   norm=args.norm, hand_over=args.hand_over_optimizer,

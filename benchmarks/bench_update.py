@@ -32,8 +32,8 @@ Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), 
 over ``--rounds`` rounds that time every method of a row in turn, the order reversed each
 other round: at 16,384 tokens an H100 runs at its power cap and read the first method of a
 row 1.5-8 % faster than the same method at the row's end (``probe_replay.py``,
-results/h100-probe-replay-ffdcdf6.log), so a fixed order favours whichever comes first. Peak is the largest extra device memory during one
-step. The floor is the larger of (bytes
+results/h100-probe-replay-ffdcdf6.log), so a fixed order favours whichever comes first.
+Peak is the largest extra device memory during one step. The floor is the larger of (bytes
 that must move) / (copy bandwidth) and (matrix FLOPs) / (bf16 matrix rate), both
 measured in the same run. Writes a CSV (one row per shape, tokens, regime, method)
 and prints a table.
@@ -297,13 +297,22 @@ def timed(fn):
     return summary(readings(fn))
 
 
+def in_rounds(items, rounds):
+    """(round, item) for each item once per round, the order reversed each other round: at
+    its power cap a GPU reads what runs first faster (``probe_replay.py``), so one fixed
+    order would favour one method."""
+    items = list(items)
+    for round_ in range(rounds):
+        for item in (items if round_ % 2 == 0 else items[::-1]):
+            yield round_, item
+
+
 def timed_in_rounds(found, rounds):
     """name -> (median, min, max) of every reading of each method of ``found``, taken in
-    ``rounds`` rounds with the order of the methods reversed in each other round."""
+    ``rounds`` rounds (``in_rounds``)."""
     times = {name: [] for name in found}
-    for round_ in range(rounds):
-        for name in (list(found) if round_ % 2 == 0 else list(reversed(found))):
-            times[name].extend(readings(found[name]))
+    for _, name in in_rounds(found, rounds):
+        times[name].extend(readings(found[name]))
     return {name: summary(t) for name, t in times.items()}
 
 

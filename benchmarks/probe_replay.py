@@ -53,17 +53,16 @@ def main():
             for regime in args.regimes.split(","):
                 layer = bu.Layer(n, k, t, regime)
                 found = bu.methods(layer, regime, bu.tuned_config(configs, regime, t))
-                for reading in range(args.rounds):
-                    # Reversed every other round: a method's reading after another's two seconds at
-                    # the power cap must not always follow the same method.
-                    for name in METHODS if reading % 2 == 0 else METHODS[::-1]:
-                        flushed_start = time.time()
-                        flushed = bu.timed(found[name])[0]
-                        start, end, ms = replay_for(found[name])
-                        label = f"{n}x{k} T={t} {regime} {name} #{reading}"
-                        # Printed as measured: a timeout later loses no reading.
-                        print(f"{label:58s} {flushed:8.4f}  {ms:8.4f}", flush=True)
-                        phases.append((label, flushed_start, start, end))
+                # Reversed every other round: a method's reading after another's two seconds at
+                # the power cap must not always follow the same method.
+                for reading, name in bu.in_rounds(METHODS, args.rounds):
+                    flushed_start = time.time()
+                    flushed = bu.timed(found[name])[0]
+                    start, end, ms = replay_for(found[name])
+                    label = f"{n}x{k} T={t} {regime} {name} #{reading}"
+                    # Printed as measured: a timeout later loses no reading.
+                    print(f"{label:58s} {flushed:8.4f}  {ms:8.4f}", flush=True)
+                    phases.append((label, flushed_start, start, end))
                 del layer, found
                 gc.collect()
                 torch.cuda.empty_cache()

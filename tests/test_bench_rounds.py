@@ -35,10 +35,11 @@ def test_rounds_below_one_are_refused(script):
     assert refused.value.code == 2  # argparse's usage error, not the missing GPU's message
 
 
-def test_model_cases_reverse_each_other_round():
+def test_cases_reverse_each_other_round():
     cases = [("512", "bf16-rn", "forge"), ("512", "bf16", "torch captured"), ("4096", "bf16", "forge")]
-    assert list(bm.in_rounds(cases, 1)) == cases
-    assert list(bm.in_rounds(cases, 3)) == cases + cases[::-1] + cases
+    assert [case for _, case in bu.in_rounds(cases, 1)] == cases
+    assert [case for _, case in bu.in_rounds(cases, 3)] == cases + cases[::-1] + cases
+    assert [round_ for round_, _ in bu.in_rounds(cases, 3)] == [0] * 3 + [1] * 3 + [2] * 3
 
 
 def test_model_rounds_pool_each_cases_readings_in_the_csv(monkeypatch, tmp_path):
