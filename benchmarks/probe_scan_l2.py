@@ -20,9 +20,10 @@ Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens o
 
     python3 benchmarks/probe_scan_l2.py REGIME TOKENS OUTxIN [step|tiles] [--steps-first N]
 
-``--steps-first N`` replays each step N times before it is timed, each on its own state,
-as ``bench_update.py``'s earlier methods step the state its captured rows then read: in
-the same session, the benchmark's unscanned row read 5-10 % slower than this probe's.
+``--steps-first N`` (timed runs only) replays each step N times before it is timed, each
+on its own state, as ``bench_update.py``'s earlier methods step the state its captured
+rows then read: in the same session, the benchmark's unscanned row read 5-10 % slower
+than this probe's.
 """
 
 import argparse
@@ -47,6 +48,10 @@ def main():
     args = parser.parse_args()
     if not set(args.settings) <= {"step", "tiles"}:
         parser.error(f"settings are step and tiles, got {args.settings}")
+    if args.steps_first and len(args.settings) == 1:
+        # The profiled run's `ncu --launch-skip 2` counts the kernel's launches from the start.
+        parser.error("--steps-first times both settings; a single setting is the profiled run, whose launch "
+                     "count --launch-skip relies on")
     if not torch.cuda.is_available():
         sys.exit("probe_scan_l2.py measures on a GPU; none is visible here")
     regime, tokens, settings = args.regime, args.tokens, args.settings or ["step", "tiles"]
