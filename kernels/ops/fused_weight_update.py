@@ -358,7 +358,7 @@ def check_input_check(input_check, config=None) -> str:
     TileConfig is left to the config's own check)."""
     if input_check not in INPUT_CHECKS:
         raise ValueError(f"input_check must be one of {INPUT_CHECKS}, got {input_check!r}")
-    if input_check == "tiles" and getattr(config, "in_kernel_check", False):
+    if input_check == "tiles" and isinstance(config, TileConfig) and config.in_kernel_check:
         raise ValueError('input_check="tiles" launches no scan of x and dy, and TileConfig(in_kernel_check=True) '
                          "is one (inside the kernel): pass one or the other")
     return input_check
