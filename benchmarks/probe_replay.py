@@ -9,7 +9,7 @@ in rounds that alternate the methods, with the SM clock and board power sampled 
 * ``back to back``: ``probe_clocks.replay_for``, calls with no flush and no wait, for
   two seconds.
 
-Why: on an H100 at 16,384 tokens (README, "On an H100 at 63fcd3d") torch's captured
+Why: on an H100 at 16,384 tokens (benchmarks/HISTORY.md, "On an H100 at 63fcd3d") torch's captured
 step read slower than its eager one (4.12 against 3.68 ms on 8192 x 8192, fp32) and
 FORGE's kernel replayed slower than launched eagerly (4.47 against 3.69 ms), while
 FORGE's captured step was not; the ratios against torch captured there rest on it.

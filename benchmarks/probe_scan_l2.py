@@ -16,7 +16,7 @@ alternated.
 
 Why: on an H100 at 63fcd3d, with bf16 state rounded to nearest at 1,024 tokens on 8192 x
 8192, the step without the scan read slower than the step with it, in three readings
-(README, "On an H100 at 63fcd3d"), though it does strictly less work.
+(benchmarks/HISTORY.md, "On an H100 at 63fcd3d"), though it does strictly less work.
 
     python3 benchmarks/probe_scan_l2.py REGIME TOKENS OUTxIN [step|tiles] [--steps-first N]
 

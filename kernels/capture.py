@@ -49,10 +49,10 @@ latest replay first.
 replay is queued (a copy of the outcome to pinned memory behind each replay), so the GPU
 goes from step to step without waiting, which saved 0.26-0.51 ms a step on two
 Llama-3-8B-shaped blocks at 512 tokens and 2.1-2.2 ms on 32 of them, on an H100
-(``benchmarks/bench_model.py --back-to-back``, README "Performance"). A replay after a bad
-one is halted on the device: its gradients are scaled by NaN, so no fused layer stores a
-tile (``fused_weight_update``'s ``grad_scale``), and the optimizer and ``last_norm`` are
-skipped as for a bad step; the call that reads the bad replay then stops the capture at
+(``benchmarks/bench_model.py --back-to-back``; benchmarks/HISTORY.md, "The lagged
+check"). A replay after a bad one is halted on the device: its gradients are scaled by
+NaN, so no fused layer stores a tile (``fused_weight_update``'s ``grad_scale``), and the
+optimizer and ``last_norm`` are skipped as for a bad step; the call that reads the bad replay then stops the capture at
 that replay's step, the layers where ``check="every step"`` leaves them, and raises its
 error. Its non-finite tiles are counted, not named (``NonFiniteUpdateError.tiles`` is
 empty: the halted replay reused the flags), unless ``check()`` reads it before another call. What the halt covers is the fused layers, the

@@ -1,6 +1,6 @@
-"""What README.md and proofs/ cite exists: every dotted ``forge_verify.*`` / ``forge_kernels.*``
-name imports, every ``path.py::name`` names a function or class in that file, every test
-named in backticks is defined, and every repository path (globs allowed) matches a file.
+"""What README.md, benchmarks/HISTORY.md and proofs/ cite exists: every dotted ``forge_verify.*`` /
+``forge_kernels.*`` name imports, every ``path.py::name`` names a function or class in that file,
+every test named in backticks is defined, and every repository path (globs allowed) matches a file.
 A claim is backed only by what it names; a rename must not leave the name behind."""
 
 import importlib
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "proofs").glob("*.md"))]
+DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "HISTORY.md", *sorted((ROOT / "proofs").glob("*.md"))]
 
 _DOTTED = re.compile(r"\b(forge_(?:verify|kernels)(?:\.[A-Za-z_]\w*)+)")
 _TOP = r"(?:tests|properties|forge_verify|kernels|benchmarks|reports|proofs|requirements|\.ci)/"
