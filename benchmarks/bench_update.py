@@ -351,10 +351,12 @@ def oracle_pairs(n, k, t, regime, config):
     return [("w", w_a, w_b)] + [(name, s_a[name], s_b[name]) for name in s_a]
 
 
-def captured_pairs(n, k, t, regime, config):
+def captured_pairs(n, k, t, regime, config, input_check="step"):
     """(name, captured, uncaptured) for each tensor after steps 1-3 of ``config`` on a fresh
-    layer, the captured ones a StepScalars graph replayed at steps 2 and 3 after its
-    warm-up's step 1: they must be bitwise equal."""
+    layer, the captured ones a StepScalars graph with ``input_check`` (the ``forge
+    captured`` method's "step", or "tiles", the ``unscanned`` one's) replayed at steps 2 and
+    3 after its warm-up's step 1, the uncaptured ones stepped with the default check: they
+    must be bitwise equal (on finite inputs the two checks store the same bits)."""
     layer = Layer(n, k, t, regime, seed=1)
     r = rule()
     w_c = layer.w.clone()
@@ -362,7 +364,8 @@ def captured_pairs(n, k, t, regime, config):
     s_p = {name: v.clone() for name, v in s_c.items()}
     scalars = fk.StepScalars(r, seed=3, device="cuda").set(1)
     graph, _ = capture(lambda: fk.fused_weight_update(layer.x, layer.dy, w_c, s_c, r, scalars, seed=3, config=config,
-                                                      rounding=layer.rounding, report="defer"))
+                                                      rounding=layer.rounding, report="defer",
+                                                      input_check=input_check))
     w_p = layer.w.clone()
     fk.fused_weight_update(layer.x, layer.dy, w_p, s_p, r, 1, config=config, seed=3,
                            rounding=layer.rounding)  # the warm-up's step
@@ -375,9 +378,13 @@ def captured_pairs(n, k, t, regime, config):
 
 
 def check_fused_equals_oracle(n, k, t, regime, config):
-    """The benchmarked config gives the oracle's bits, and its captured step the
-    uncaptured steps' bits (checked in that order: the first mismatch is reported)."""
-    for what, pairs in (("fused != oracle", oracle_pairs), ("captured != uncaptured", captured_pairs)):
+    """The benchmarked config gives the oracle's bits, and its captured steps, with the
+    input scan and without it (the two captured methods), the uncaptured steps' bits
+    (checked in that order: the first mismatch is reported)."""
+    checks = (("fused != oracle", oracle_pairs),
+              ("captured != uncaptured", captured_pairs),
+              ("captured unscanned != uncaptured", lambda *row: captured_pairs(*row, input_check="tiles")))
+    for what, pairs in checks:
         for name, got, expected in pairs(n, k, t, regime, config):
             # Bitwise, whatever the dtype (torch.equal alone would let -0.0 match 0.0).
             if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
