@@ -16,19 +16,20 @@ import bench_update as bu  # noqa: E402  (a benchmark script, not a package)
 ROW = (8, 16, 512, "fp32", "config")
 
 
-def _pairs(calls, label, differ=False):
-    """A stand-in pair maker recording its call; with ``differ`` its two tensors are 0.0 and
-    -0.0, equal as numbers and different in their bits."""
+def _pairs(calls, label=None, differ_for=None):
+    """A stand-in pair maker recording its call (as ``label``, or as its ``input_check``);
+    called with ``input_check=differ_for`` its two tensors are 0.0 and -0.0, equal as
+    numbers and different in their bits."""
     def pairs(*row, input_check="step"):
         calls.append((label or input_check, row))
-        return [("w", torch.tensor([0.0]), torch.tensor([-0.0 if differ else 0.0]))]
+        return [("w", torch.tensor([0.0]), torch.tensor([-0.0 if input_check == differ_for else 0.0]))]
     return pairs
 
 
 def test_both_captured_methods_are_checked(monkeypatch):
     calls = []
     monkeypatch.setattr(bu, "oracle_pairs", _pairs(calls, "oracle"))
-    monkeypatch.setattr(bu, "captured_pairs", _pairs(calls, None))
+    monkeypatch.setattr(bu, "captured_pairs", _pairs(calls))
     bu.check_fused_equals_oracle(*ROW)
     assert calls == [("oracle", ROW), ("step", ROW), ("tiles", ROW)]
 
@@ -36,9 +37,6 @@ def test_both_captured_methods_are_checked(monkeypatch):
 def test_a_mismatch_without_the_scan_is_named(monkeypatch):
     calls = []
     monkeypatch.setattr(bu, "oracle_pairs", _pairs(calls, "oracle"))
-
-    def captured(*row, input_check="step"):
-        return _pairs(calls, None, differ=input_check == "tiles")(*row, input_check=input_check)
-    monkeypatch.setattr(bu, "captured_pairs", captured)
+    monkeypatch.setattr(bu, "captured_pairs", _pairs(calls, differ_for="tiles"))
     with pytest.raises(AssertionError, match=r"^captured unscanned != uncaptured \(w\) for fp32 8x16 T=512"):
         bu.check_fused_equals_oracle(*ROW)
