@@ -19,9 +19,10 @@ benchmarks/README.md, "bf16 rounded to nearest by the hardware's conversion"), w
 leave half as many warps to hide that latency; they leave each thread 72-80 registers, so
 only tiles of at most 64 columns compile (results/tuning/ptxas-split-16-warps-3.9.txt).
 On an H100 they pass tests/test_hopper_update.py's cases and are bf16-SR's tile at
-256-1,023 tokens (results/h100-hopper-tests-16-warps-16116a5.log, benchmarks/HISTORY.md, "On an H100 again"),
-and fp32's there too: on an H100 its 128 x 64 tile in four row parts stepped fp32 state
-1.01-1.08x faster than the entries it replaced (results/h100-fp32-16-warps-0b82584.log)."""
+256-1,023 tokens (results/h100-hopper-tests-16-warps-16116a5.log; benchmarks/HISTORY.md,
+"On an H100 again"), and fp32's there too: on an H100 its 128 x 64 tile in four row parts
+stepped fp32 state 1.01-1.08x faster than the entries it replaced
+(results/h100-fp32-16-warps-0b82584.log)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
