@@ -4,9 +4,12 @@ graph of ``fused_weight_update(..., report="defer")``) timed one by one, each re
 from its own CUDA graph with ``do_bench`` (L2 flushed before each call), beside the
 kernel alone (``forge kernel replayed``) and torch's captured step, in the same run; then
 a ``torch.profiler`` trace of a few captured steps listing every GPU activity (kernels,
-copies, memsets) with its duration and the idle gap before it.
+copies, memsets) with its duration and the idle gap before it. ``--input-check tiles``
+times the step without its input scan (``bench_update``'s ``forge captured unscanned``
+row), whose graph holds no check.
 
-    python3 benchmarks/probe_captured_step.py [--shapes 4096x4096] [--tokens 256,512,1024] [--regimes fp32]
+    python3 benchmarks/probe_captured_step.py [--shapes 4096x4096] [--tokens 256,512,1024] [--regimes fp32] \
+        [--input-check step|tiles]
 """
 
 import argparse
@@ -26,26 +29,32 @@ from forge_kernels.ops.finite_check import STATUS_WORDS, launch_finite_check  # 
 fk = bu.fk
 
 
-def parts(layer, config):
-    """name -> zero-argument callable: the captured step and its parts."""
+def parts(layer, config, input_check="step"):
+    """name -> zero-argument callable: the captured step and its parts (the input check's
+    only with ``input_check="step"``)."""
     r = bu.rule()
     state = layer.fresh_state(r)
     scalars = fk.StepScalars(r, seed=1, device="cuda").set(1)
-    status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device="cuda")
     kernel = bu.kernel_step(layer, config, r, state)
     found = {"kernel": bu.capture(kernel)[0].replay}
     n, k = layer.w.shape
-    # The words a call zeroes: its status and one flag per tile part (as _Epilogue makes them).
-    words = STATUS_WORDS + bu.triton.cdiv(n, config.block_n) * bu.triton.cdiv(k, config.block_k) * config.epilogue_split
+    # The words a call zeroes: its status, one flag per tile part and the ticket counter (as
+    # _Epilogue makes them).
+    words = (STATUS_WORDS + bu.triton.cdiv(n, config.block_n) * bu.triton.cdiv(k, config.block_k)
+             * config.epilogue_split + 1)
 
-    def check_and_kernel():
-        launch_finite_check(status, layer.x, layer.dy)
-        kernel()
-    found["check + kernel"] = bu.capture(check_and_kernel)[0].replay
-    found["check"] = bu.capture(lambda: launch_finite_check(status, layer.x, layer.dy))[0].replay
+    if input_check == "step":
+        status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device="cuda")
+
+        def check_and_kernel():
+            launch_finite_check(status, layer.x, layer.dy)
+            kernel()
+        found["check + kernel"] = bu.capture(check_and_kernel)[0].replay
+        found["check"] = bu.capture(lambda: launch_finite_check(status, layer.x, layer.dy))[0].replay
     found["status zeros"] = bu.capture(lambda: torch.zeros(words, dtype=torch.int32, device="cuda"))[0].replay
     call, _ = bu.capture(lambda: fk.fused_weight_update(layer.x, layer.dy, layer.w, state, r, scalars, seed=1,
-                                                        config=config, rounding=layer.rounding, report="defer"))
+                                                        config=config, rounding=layer.rounding, report="defer",
+                                                        input_check=input_check))
     found["call replay"] = call.replay
     steps = itertools.count(2)
     found["scalars set"] = lambda: scalars.set(next(steps))
@@ -83,6 +92,8 @@ def main():
     parser.add_argument("--shapes", default="4096x4096")
     parser.add_argument("--tokens", default="256,512,1024")
     parser.add_argument("--regimes", default="fp32")
+    parser.add_argument("--input-check", choices=("step", "tiles"), default="step",
+                        help="the captured call's input_check (default step: the input scan)")
     args = parser.parse_args()
     configs = json.loads(bu.CONFIGS_FILE.read_text())
     print(f"gpu {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {bu.triton.__version__}")
@@ -91,8 +102,8 @@ def main():
         n, k = map(int, shape.split("x"))
         config = bu.tuned_config(configs, regime, t)
         layer = bu.Layer(n, k, t, regime)
-        found, captured = parts(layer, config)
-        print(f"{n}x{k} T={t} {regime} {config}")
+        found, captured = parts(layer, config, args.input_check)
+        print(f"{n}x{k} T={t} {regime} input_check={args.input_check} {config}")
         for name, fn in found.items():
             median, low, high = bu.timed(fn)
             print(f"  {name:38s} {median:.4f} ms  (min {low:.4f}, max {high:.4f})")
