@@ -69,12 +69,17 @@ def main():
         n, k = map(int, shape.split("x"))
         layer = bu.Layer(n, k, int(t), regime)
         config = bu.tuned_config(configs, regime, int(t))
+        if config.kernel != "hopper":
+            print(f"{case}: its entry is the portable kernel, one program per tile: no grid to cap")
+            continue
         tiles = math.ceil(n / config.block_n) * math.ceil(k / config.block_k)
         balanced = math.ceil(tiles / math.ceil(tiles / sms))
-        caps = sorted({sms, balanced, *(sms - int(b) for b in args.below.split(","))} & set(range(1, tiles + 1)),
+        uncapped = min(sms, tiles)  # the launch's own grid: a program per tile where tiles are fewer
+        caps = sorted({uncapped, balanced, *(sms - int(b) for b in args.below.split(","))} & set(range(1, tiles + 1)),
                       reverse=True)
         found = capped_steps(layer, config, caps)
-        same = all(torch.equal(as_bits(a), as_bits(b)) for cap in caps for a, b in zip(found[cap][1], found[sms][1]))
+        same = all(torch.equal(as_bits(a), as_bits(b))
+                   for cap in caps for a, b in zip(found[cap][1], found[uncapped][1]))
         names = {f"cap {cap:3d} ({math.ceil(tiles / cap)} rounds)": cap for cap in caps}
         times = bu.timed_in_rounds({name: found[cap][0] for name, cap in names.items()}, args.rounds)
         base = times[next(iter(names))][0]
