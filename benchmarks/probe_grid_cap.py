@@ -5,7 +5,8 @@ kernel alone replayed from a CUDA graph captured with each cap, the caps timed i
 alternating their order (``bench_update.timed_in_rounds``). If time follows the number of
 rounds (``ceil(tiles / programs)``), the case is bound per program and a last round that is
 only partly full costs a whole one; if it stays flat, HBM bounds it. ``balanced`` is the
-fewest programs that keep the uncapped round count (each program the same tile count).
+fewest programs that keep the uncapped round count (tile counts that differ by at most one
+between programs, and by none where the programs divide the tiles).
 
 Every cap starts from the same weight and seeded state and its first step's weight and
 state are compared bitwise with the uncapped launch's: tiles never depend on which
@@ -28,10 +29,6 @@ import bench_update as bu  # noqa: E402  (maps this tree's kernels/ to forge_ker
 import forge_kernels.ops.hopper_update as hopper_update  # noqa: E402
 
 DEFAULT_CASES = "4096x4096:256:fp32,4096x4096:512:fp32,4096x4096:1024:fp32,4096x4096:256:bf16-rn"
-
-
-def as_bits(t):
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def capped_steps(layer, config, caps):
@@ -78,7 +75,7 @@ def main():
         caps = sorted({uncapped, balanced, *(sms - int(b) for b in args.below.split(","))} & set(range(1, tiles + 1)),
                       reverse=True)
         found = capped_steps(layer, config, caps)
-        same = all(torch.equal(as_bits(a), as_bits(b))
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bytes: every dtype, NaN included
                    for cap in caps for a, b in zip(found[cap][1], found[uncapped][1]))
         names = {f"cap {cap:3d} ({math.ceil(tiles / cap)} rounds)": cap for cap in caps}
         times = bu.timed_in_rounds({name: found[cap][0] for name, cap in names.items()}, args.rounds)
