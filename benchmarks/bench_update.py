@@ -149,11 +149,16 @@ def torch_grad(layer):
 
 
 def kernel_step(layer, config, r=None, state=None):
-    """The fused kernel launched alone (no argument checks, no non-finite report)."""
+    """The fused kernel launched alone (no argument checks, no non-finite report); the
+    returned callable keeps its ``_Epilogue`` as ``.epilogue`` (its grid, its status words)."""
     r = rule() if r is None else r
     state = layer.fresh_state(r) if state is None else state
     epilogue = _Epilogue(layer.w, state, r, 1, config, layer.rounding, 0, 1.0, None)
-    return lambda: epilogue.fused(layer.x, layer.dy, layer.w)
+
+    def step():
+        return epilogue.fused(layer.x, layer.dy, layer.w)
+    step.epilogue = epilogue
+    return step
 
 
 def capture(fn):

@@ -37,11 +37,9 @@ def parts(layer, config, input_check="step"):
     scalars = fk.StepScalars(r, seed=1, device="cuda").set(1)
     kernel = bu.kernel_step(layer, config, r, state)
     found = {"kernel": bu.capture(kernel)[0].replay}
-    n, k = layer.w.shape
-    # The words a call zeroes: its status, one flag per tile part and the ticket counter (as
-    # _Epilogue makes them).
-    words = (STATUS_WORDS + bu.triton.cdiv(n, config.block_n) * bu.triton.cdiv(k, config.block_k)
-             * config.epilogue_split + 1)
+    # The words a call zeroes, as many as its _Epilogue allocates: the status, one flag per
+    # tile part and the ticket counter.
+    words = sum(t.numel() for t in (kernel.epilogue.status, kernel.epilogue.flags, kernel.epilogue.tickets))
 
     if input_check == "step":
         status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device="cuda")
